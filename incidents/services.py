@@ -1,0 +1,99 @@
+"""Writes for incidents. `incident_record` is the ONE way anything records an incident; a critical
+incident on a worker quarantines that worker in the registry until an admin calls `worker_release`.
+"""
+import logging
+
+from django.db import transaction
+from django.utils import timezone
+
+from incidents.models import Incident, WorkerRelease
+from kvserve.workers import registry_get
+
+log = logging.getLogger(__name__)
+
+
+def incident_record(
+    *,
+    kind: str,
+    severity: str,
+    pool: str = "",
+    worker: str = "",
+    pages: list[int] | None = None,
+    reader_request: str = "",
+    previous_owner_request: str = "",
+    epochs: list | dict | None = None,
+    detected_by: str,
+    details: dict | None = None,
+) -> Incident:
+    incident = Incident(
+        kind=Incident.Kind(kind),
+        severity=Incident.Severity(severity),
+        pool=pool or "",
+        worker=worker or "",
+        pages=[int(p) for p in (pages or [])],
+        reader_request=reader_request or "",
+        previous_owner_request=previous_owner_request or "",
+        epochs=epochs if epochs is not None else [],
+        detected_by=detected_by,
+        details=details or {},
+    )
+    incident.full_clean()
+    incident.save()
+    log.error(
+        "INCIDENT #%s %s %s pool=%s worker=%s pages=%s reader=%s previous_owner=%s detected_by=%s",
+        incident.pk, incident.severity, incident.kind, pool, worker, incident.pages,
+        reader_request, previous_owner_request, detected_by,
+    )
+    if incident.severity == Incident.Severity.CRITICAL and incident.worker:
+        _quarantine(incident)
+    return incident
+
+
+def _quarantine(incident: Incident) -> None:
+    # Not deferred to on_commit: the quarantine must hold even if the caller's transaction rolls back.
+    try:
+        registry_get().quarantine(incident.worker, reason=f"incident #{incident.pk}: {incident.kind}")
+    except Exception as exc:  # the incident row must survive; the failure is recorded on it, loudly
+        log.critical("could not quarantine worker %s for incident #%s", incident.worker, incident.pk, exc_info=True)
+        incident.details = {**incident.details, "quarantine_error": repr(exc)}
+        incident.save(update_fields=["details"])
+        return
+    incident.quarantined = True
+    incident.save(update_fields=["quarantined"])
+    log.critical("worker %s QUARANTINED for incident #%s", incident.worker, incident.pk)
+
+
+def incident_acknowledge(*, incident: Incident, by_user) -> Incident:
+    if incident.acknowledged_at is None:
+        incident.acknowledged_by, incident.acknowledged_at = by_user, timezone.now()
+        incident.save(update_fields=["acknowledged_by", "acknowledged_at"])
+    return incident
+
+
+@transaction.atomic
+def incident_resolve(*, incident: Incident, by_user, notes: str = "") -> Incident:
+    """Marks the incident resolved (acknowledging it too if needed). Does not release the worker."""
+    incident_acknowledge(incident=incident, by_user=by_user)
+    if incident.resolved_at is None:
+        incident.resolved_by, incident.resolved_at = by_user, timezone.now()
+    if notes:
+        incident.notes = f"{incident.notes}\n{notes}".strip()
+    incident.save(update_fields=["resolved_by", "resolved_at", "notes"])
+    return incident
+
+
+def worker_release(worker_id: str, by_user, *, notes: str = "") -> WorkerRelease:
+    """Lifts a worker's quarantine and logs who did it as a WorkerRelease row."""
+    registry = registry_get()
+    reason = registry.quarantine_reason(worker_id) or ""
+    was_quarantined = registry.release(worker_id)
+    release = WorkerRelease.objects.create(
+        worker=worker_id,
+        released_by=by_user,
+        was_quarantined=was_quarantined,
+        quarantine_reason=reason,
+        notes=notes,
+    )
+    log.warning("worker %s released from quarantine by %s (was quarantined: %s, reason: %s)",
+                worker_id, by_user, was_quarantined, reason)
+    return release

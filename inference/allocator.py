@@ -1,0 +1,100 @@
+"""The narrow page-allocation boundary between the engine and whoever records page ownership.
+
+Ids in, ids out. `LocalAllocator` serves tests and the CLI; `inference.ledger.RedisLedger`
+implements the same interface against Redis. "Doesn't fit now" is `None`; a bug raises.
+"""
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+
+class LedgerError(Exception):
+    """A caller broke the ledger's contract (not the owner, stale epoch, unknown page)."""
+
+
+class IntegrityError(LedgerError):
+    """The ledger's books do not balance: free + owned + dirty != total, or a page is owned twice."""
+
+
+@dataclass(frozen=True)
+class Grant:
+    """Pages handed to one owner, with the fencing epoch each page was granted under."""
+
+    pages: tuple[int, ...]
+    epochs: tuple[int, ...]
+
+
+class PageAllocator(Protocol):
+    pool_id: str
+    num_pages: int
+
+    def num_free(self) -> int: ...
+
+    def allocate(self, owner: str, n: int) -> Grant | None: ...
+
+    def free(self, owner: str, pages: Sequence[int], epochs: Sequence[int]) -> None: ...
+
+    def release(self, owner: str) -> list[int]: ...
+
+    def check_integrity(self) -> None: ...
+
+
+class LocalAllocator:
+    """In-process allocator with the ledger's semantics: FIFO free list, monotonic epochs."""
+
+    def __init__(self, num_pages: int, pool_id: str = "local"):
+        if num_pages <= 0:
+            raise ValueError("num_pages must be positive")
+        self.pool_id = pool_id
+        self.num_pages = num_pages
+        self._free: deque[int] = deque(range(num_pages))
+        self._owner: dict[int, tuple[str, int]] = {}  # page -> (owner, epoch)
+        self._next_epoch = 1
+
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, owner: str, n: int) -> Grant | None:
+        if n < 0:
+            raise LedgerError(f"cannot allocate {n} pages")
+        if n > len(self._free):
+            return None
+        pages, epochs = [], []
+        for _ in range(n):
+            page = self._free.popleft()
+            self._owner[page] = (owner, self._next_epoch)
+            pages.append(page)
+            epochs.append(self._next_epoch)
+            self._next_epoch += 1
+        return Grant(tuple(pages), tuple(epochs))
+
+    def free(self, owner: str, pages: Sequence[int], epochs: Sequence[int]) -> None:
+        for page, epoch in zip(pages, epochs, strict=True):
+            held = self._owner.get(page)
+            if held != (owner, epoch):
+                raise LedgerError(
+                    f"pool {self.pool_id}: {owner} cannot free page {page} at epoch {epoch}; "
+                    f"it is held by {held}"
+                )
+        for page in pages:
+            del self._owner[page]
+            self._free.append(page)
+
+    def release(self, owner: str) -> list[int]:
+        pages = sorted(p for p, (o, _) in self._owner.items() if o == owner)
+        for page in pages:
+            del self._owner[page]
+            self._free.append(page)
+        return pages
+
+    def check_integrity(self) -> None:
+        free = set(self._free)
+        problems = []
+        if len(free) != len(self._free):
+            problems.append("a page is on the free list twice")
+        if free & self._owner.keys():
+            problems.append(f"free pages with an owner: {sorted(free & self._owner.keys())}")
+        if len(free) + len(self._owner) != self.num_pages:
+            problems.append(f"free {len(free)} + owned {len(self._owner)} != total {self.num_pages}")
+        if problems:
+            raise IntegrityError(f"pool {self.pool_id}: " + "; ".join(problems))

@@ -1,0 +1,136 @@
+"""The worker's local mirror of page ownership (owner, epoch, written watermark per page) and the
+guard that checks every sequence's reads against it before each forward pass.
+
+Pages come from a `PageAllocator` (the Redis ledger in workers); the mirror is updated at every
+allocate, write and free, so the per-token guard needs no Redis round trip.
+"""
+from dataclasses import dataclass
+
+from inference.allocator import PageAllocator
+from inference.faults import NO_FAULTS, Faults
+from inference.kv_cache import PagePool
+from inference.sequence import Sequence
+
+SCRUB_POLICIES = ("on_free", "on_alloc", "off")
+
+
+@dataclass
+class Violation:
+    kind: str  # foreign_read | stale_epoch | unwritten_read
+    reader: str
+    page: int
+    page_owner: str | None
+    pool: str
+    reader_epoch: int | None
+    page_epoch: int | None
+    read_len: int
+    watermark: int
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class OwnershipViolation(Exception):
+    def __init__(self, v: Violation):
+        self.violation = v
+        super().__init__(
+            f"{v.kind}: request {v.reader} would read page {v.page} of pool {v.pool} "
+            f"(owner {v.page_owner}, page epoch {v.page_epoch}, reader epoch {v.reader_epoch}, "
+            f"read {v.read_len} tokens, written {v.watermark})"
+        )
+
+
+class BlockManager:
+    def __init__(self, allocator: PageAllocator, pool: PagePool, scrub_policy: str = "on_free",
+                 faults: Faults = NO_FAULTS):
+        if scrub_policy not in SCRUB_POLICIES:
+            raise ValueError(f"scrub policy {scrub_policy!r}: use one of {SCRUB_POLICIES}")
+        if "no_scrub" in faults:
+            scrub_policy = "off"
+        if allocator.num_pages != pool.num_pages:
+            raise ValueError(f"allocator has {allocator.num_pages} pages, pool tensor {pool.num_pages}")
+        self.allocator = allocator
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.scrub_policy = scrub_policy
+        self.check_owner = "no_ownership_guard" not in faults
+        self.check_watermark = "no_watermark_guard" not in faults
+        n = pool.num_pages
+        self.owner: list[str | None] = [None] * n
+        self.epoch: list[int] = [0] * n
+        self.written: list[int] = [0] * n
+
+    @property
+    def pool_id(self) -> str:
+        return self.allocator.pool_id
+
+    def num_free(self) -> int:
+        return self.allocator.num_free()
+
+    def allocate(self, seq: Sequence, num_pages: int) -> bool:
+        """Gives `seq` `num_pages` more pages; False when they do not fit now."""
+        grant = self.allocator.allocate(seq.request_id, num_pages)
+        if grant is None:
+            return False
+        for page, epoch in zip(grant.pages, grant.epochs):
+            self.owner[page], self.epoch[page], self.written[page] = seq.request_id, epoch, 0
+        if self.scrub_policy == "on_alloc":
+            self.pool.scrub(grant.pages)
+        seq.block_table += grant.pages
+        seq.page_epochs += grant.epochs
+        return True
+
+    def deallocate(self, seq: Sequence) -> None:
+        if not seq.block_table:
+            return
+        pages = list(seq.block_table)
+        self.allocator.free(seq.request_id, pages, seq.page_epochs)
+        self.forget(pages)
+        seq.block_table, seq.page_epochs = [], []
+
+    def release_all(self, seq: Sequence) -> list[int]:
+        """Frees whatever the ledger says `seq` owns, not what its (possibly corrupt) table says."""
+        pages = self.allocator.release(seq.request_id)
+        self.forget(pages)
+        seq.block_table, seq.page_epochs = [], []
+        return pages
+
+    def forget(self, pages) -> None:
+        """Drops pages from the mirror (freed or reclaimed) and scrubs them under `on_free`."""
+        for page in pages:
+            self.owner[page], self.epoch[page], self.written[page] = None, 0, 0
+        if self.scrub_policy == "on_free":
+            self.pool.scrub(pages)
+
+    def mark_written(self, seq: Sequence, num_tokens: int) -> None:
+        """Records that `seq`'s first `num_tokens` tokens now have K/V in its pages."""
+        ps = self.page_size
+        first = min(seq.num_cached, num_tokens) // ps
+        for i in range(first, -(-num_tokens // ps)):
+            page = seq.block_table[i]
+            self.written[page] = max(self.written[page], min(ps, num_tokens - i * ps))
+
+    def check_reads(self, seq: Sequence, num_past: int, num_new: int) -> None:
+        """Raises OwnershipViolation unless every page in seq's block table is its own at the
+        current epoch and the `num_past` cached tokens it will read were written for it."""
+        rid, ps = seq.request_id, self.page_size
+        needed = -(-(num_past + num_new) // ps)
+        if needed > len(seq.block_table):
+            self._raise("unwritten_read", seq, None, num_past + num_new, 0, None)
+        for i, (page, epoch) in enumerate(zip(seq.block_table, seq.page_epochs)):
+            if self.check_owner:
+                if self.owner[page] != rid:
+                    self._raise("foreign_read", seq, page, num_past, self.written[page], epoch)
+                if self.epoch[page] != epoch:
+                    self._raise("stale_epoch", seq, page, num_past, self.written[page], epoch)
+            if self.check_watermark and i * ps < num_past:
+                if self.written[page] < min(ps, num_past - i * ps):
+                    self._raise("unwritten_read", seq, page, num_past, self.written[page], epoch)
+
+    def _raise(self, kind, seq, page, read_len, watermark, reader_epoch):
+        raise OwnershipViolation(Violation(
+            kind=kind, reader=seq.request_id, page=-1 if page is None else page,
+            page_owner=None if page is None else self.owner[page], pool=self.pool_id,
+            reader_epoch=reader_epoch, page_epoch=None if page is None else self.epoch[page],
+            read_len=read_len, watermark=watermark,
+        ))

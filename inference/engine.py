@@ -1,0 +1,314 @@
+"""The engine the workers run: admit, prefill into pages, export/import pages for the handoff,
+decode with continuous batching, release. Every forward pass is preceded by the ownership guard."""
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from inference.allocator import LocalAllocator, PageAllocator
+from inference.attention import AttentionBatch, DecodeGroup, PrefillSlice, select_backend
+from inference.block_manager import BlockManager, OwnershipViolation, Violation
+from inference.faults import NO_FAULTS, Faults
+from inference.kv_cache import PagePool, page_checksums
+from inference.loader import LoadedModel, load_model
+from inference.model import Llama
+from inference.sampling import sample
+from inference.scheduler import RequestTooLarge, ScheduledChunk, Scheduler
+from inference.sequence import SamplingParams, Sequence, SeqStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepEvent:
+    seq: Sequence
+    token: int | None  # the token sampled this step (None for a failure)
+    text_delta: str
+    finished: bool
+
+
+@dataclass
+class EngineConfig:
+    num_pages: int = 1024
+    page_size: int = 16
+    chunk_size: int = 512
+    max_num_seqs: int = 64
+    window: int | None = None  # tokens served per request; default: the model's context length
+    scrub_policy: str = "on_free"
+    dtype: str = "float32"
+    device: str = "cpu"
+    attention: str | None = None  # None: chosen from the device (KVSERVE_ATTENTION overrides)
+    faults: Faults = field(default_factory=lambda: NO_FAULTS)
+
+    @classmethod
+    def from_env(cls, **overrides) -> "EngineConfig":
+        env = os.environ
+        values = dict(
+            num_pages=int(env.get("KVSERVE_NUM_PAGES", 1024)),
+            page_size=int(env.get("KVSERVE_PAGE_SIZE", 16)),
+            chunk_size=int(env.get("KVSERVE_CHUNK_SIZE", 512)),
+            max_num_seqs=int(env.get("KVSERVE_MAX_SEQS", 64)),
+            window=int(env["KVSERVE_WINDOW"]) if env.get("KVSERVE_WINDOW") else None,
+            scrub_policy=env.get("KVSERVE_SCRUB", "on_free"),
+            dtype=env.get("KVSERVE_DTYPE", "float32"),
+            device=env.get("KVSERVE_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu"),
+            faults=Faults.from_env(),
+        )
+        if env.get("KVSERVE_POOL_MB") and not env.get("KVSERVE_NUM_PAGES"):
+            values["num_pages"] = -1  # resolved against the model's page size in Engine
+            values["pool_mb"] = int(env["KVSERVE_POOL_MB"])
+        values.update(overrides)
+        pool_mb = values.pop("pool_mb", None)
+        config = cls(**values)
+        config.pool_mb = pool_mb
+        return config
+
+
+class Engine:
+    def __init__(self, model: LoadedModel, config: EngineConfig | None = None,
+                 allocator_factory=None):
+        self.loaded = model
+        self.config = config = config or EngineConfig()
+        mc = model.config
+        dtype = getattr(torch, config.dtype)
+        device = torch.device(config.device)
+        self.attention_backend = config.attention or select_backend(device)
+        self.model = Llama(mc, model.weights, dtype=dtype, device=device, attention_backend=self.attention_backend)
+        num_pages = config.num_pages
+        if getattr(config, "pool_mb", None):
+            per_page = PagePool.page_bytes(config.page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
+            num_pages = config.pool_mb * 2**20 // per_page
+        self.pool = PagePool(num_pages, config.page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, device)
+        allocator: PageAllocator = (allocator_factory or (lambda n: LocalAllocator(n)))(num_pages)
+        self.block_manager = BlockManager(allocator, self.pool, config.scrub_policy, config.faults)
+        self.scheduler = Scheduler(self.block_manager, config.chunk_size, config.max_num_seqs)
+        self.window = config.window or mc.max_position
+        self.tokenizer = model.tokenizer
+        self.fingerprint = model.fingerprint
+        self.violations: list[Violation] = []
+        self.quarantined = False
+        self.seqs: dict[str, Sequence] = {}
+        self.num_decode_tokens = 0
+        config.faults.announce(f"engine pool {allocator.pool_id}")
+
+    @classmethod
+    def from_env(cls, **overrides) -> "Engine":
+        return cls(load_model(), EngineConfig.from_env(**overrides))
+
+    # ---- admission -------------------------------------------------------------------------
+    @property
+    def capacity_tokens(self) -> int:
+        return self.pool.capacity_tokens
+
+    @property
+    def effective_limit(self) -> int:
+        return min(self.window, self.capacity_tokens, self.model.config.max_position)
+
+    def admission_error(self, num_prompt_tokens: int, max_tokens: int) -> str | None:
+        """Why a request can never run here, or None. Nothing is reserved either way."""
+        total = num_prompt_tokens + max_tokens
+        if total > self.effective_limit:
+            return (f"prompt_tokens {num_prompt_tokens} + max_tokens {max_tokens} = {total} exceeds this engine's "
+                    f"limit of {self.effective_limit} tokens (window {self.window}, pool {self.capacity_tokens})")
+        return None
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    prefill_only: bool = False) -> Sequence:
+        if request_id in self.seqs:
+            raise ValueError(f"request {request_id} is already in this engine")
+        reason = self.admission_error(len(prompt_ids), params.max_tokens)
+        if reason:
+            raise RequestTooLarge(reason)
+        seq = Sequence(request_id, prompt_ids, params, prefill_only)
+        self.scheduler.add(seq)
+        self.seqs[request_id] = seq
+        return seq
+
+    # ---- handoff ---------------------------------------------------------------------------
+    def export_kv(self, seq: Sequence) -> tuple[torch.Tensor, list[str]]:
+        """The prompt's pages as a blob (unwritten tail zeroed) and a checksum per page."""
+        if seq.status is not SeqStatus.PREFILLED:
+            raise ValueError(f"{seq} has not finished prefill")
+        n = seq.num_prompt_tokens
+        blob = self.pool.export_pages(seq.block_table[: -(-n // self.pool.page_size)])
+        tail = n % self.pool.page_size
+        if tail:
+            blob[-1, :, :, tail:] = 0
+        return blob, page_checksums(blob)
+
+    def release(self, seq: Sequence) -> None:
+        """Frees a sequence's pages (scrubbed by policy) and forgets it."""
+        self.scheduler.finish(seq)
+        if seq.block_table:
+            self.block_manager.deallocate(seq)
+        self.seqs.pop(seq.request_id, None)
+
+    def add_prefilled(self, request_id: str, prompt_ids: list[int], first_token: int, blob: torch.Tensor,
+                      params: SamplingParams, num_transferred: int | None = None) -> Sequence | None:
+        """Imports a verified handoff's KV into fresh pages and joins the decode batch.
+        The written watermark is what was transferred, never what the prompt claims: a sequence
+        that believes more is cached than was written fails the guard on its first step.
+        Returns None when the pages do not fit now (the caller retries); raises when they never can."""
+        reason = self.admission_error(len(prompt_ids), params.max_tokens)
+        if reason:
+            raise RequestTooLarge(reason)
+        seq = Sequence(request_id, prompt_ids, params)
+        if not self.block_manager.allocate(seq, seq.num_pages_needed(self.pool.page_size)):
+            return None
+        self.pool.import_pages(seq.block_table[: blob.shape[0]], blob)
+        self.block_manager.mark_written(seq, len(prompt_ids) if num_transferred is None else num_transferred)
+        seq.num_cached = len(prompt_ids)
+        self.seqs[request_id] = seq
+        self._append_token(seq, first_token)
+        if seq.is_done:
+            self.release(seq)
+            self.seqs[request_id] = seq
+        else:
+            self.scheduler.add_running(seq)
+        return seq
+
+    def abort(self, request_id: str, reason: str = "aborted") -> None:
+        seq = self.seqs.get(request_id)
+        if seq is not None and not seq.is_done:
+            seq.status, seq.error = SeqStatus.FAILED, reason
+            self.release(seq)
+
+    # ---- stepping --------------------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[StepEvent]:
+        chunks = self.scheduler.schedule()
+        events = []
+        runnable = []
+        for chunk in chunks:
+            try:
+                self.block_manager.check_reads(chunk.seq, chunk.seq.num_cached, chunk.num_tokens)
+                runnable.append(chunk)
+            except OwnershipViolation as exc:
+                events.append(self._fail_closed(chunk.seq, exc))
+        if not runnable:
+            return events
+        input_ids, positions, batch, sample_rows = self._prepare(runnable)
+        hidden = self.model.forward(input_ids, positions, batch, self.pool)
+        to_sample = []
+        for chunk in runnable:
+            seq = chunk.seq
+            self.block_manager.mark_written(seq, seq.num_cached + chunk.num_tokens)
+            seq.num_cached += chunk.num_tokens
+            if seq.num_cached == seq.num_tokens:  # chunk ended at the newest token: sample the next
+                to_sample.append(seq)
+        if to_sample:
+            logits = self.model.logits(hidden[torch.tensor([sample_rows[s.request_id] for s in to_sample])])
+            tokens = sample(logits, [s.params for s in to_sample], [len(s.output_ids) for s in to_sample])
+            for seq, token in zip(to_sample, tokens):
+                events.append(self._on_token(seq, token))
+        return events
+
+    def _prepare(self, chunks: list[ScheduledChunk]):
+        ps = self.pool.page_size
+        ids, pos, pages, offsets = [], [], [], []
+        decode_rows, decode_tables, decode_lens = [], [], []
+        prefills = []
+        sample_rows = {}
+        for chunk in chunks:
+            seq, start, n = chunk.seq, chunk.seq.num_cached, chunk.num_tokens
+            row = len(ids)
+            for p in range(start, start + n):
+                ids.append(seq.token_at(p))
+                pos.append(p)
+                pages.append(seq.block_table[p // ps])
+                offsets.append(p % ps)
+            sample_rows[seq.request_id] = row + n - 1
+            ctx = start + n
+            table = seq.block_table[: -(-ctx // ps)]
+            if n == 1:
+                decode_rows.append(row)
+                decode_tables.append(table)
+                decode_lens.append(ctx)
+            else:
+                prefills.append(PrefillSlice(row, n, torch.tensor(table), ctx))
+        device = self.pool.data.device
+        batch = AttentionBatch(torch.tensor(pages, device=device), torch.tensor(offsets, device=device),
+                               prefills=prefills)
+        order = sorted(range(len(decode_rows)), key=lambda i: decode_lens[i])
+        group_size = max(8, -(-len(order) // 4))  # a few length buckets: less padding, few calls
+        for at in range(0, len(order), group_size):
+            members = order[at : at + group_size]
+            width = max(len(decode_tables[i]) for i in members)
+            padded = [decode_tables[i] + [self.pool.null_page] * (width - len(decode_tables[i])) for i in members]
+            lens = torch.tensor([decode_lens[i] for i in members], device=device)
+            mask = (torch.arange(width * ps, device=device)[None, :] < lens[:, None])[:, None, None, :]
+            batch.decodes.append(DecodeGroup(torch.tensor([decode_rows[i] for i in members], device=device),
+                                             torch.tensor(padded, device=device), mask))
+        return torch.tensor(ids, device=device), torch.tensor(pos, device=device), batch, sample_rows
+
+    def _on_token(self, seq: Sequence, token: int) -> StepEvent:
+        if seq.prefill_only:
+            seq.output_ids.append(token)
+            seq.status = SeqStatus.PREFILLED
+            self.scheduler.finish(seq)
+            return StepEvent(seq, token, "", True)
+        if seq.status is SeqStatus.PREFILLING:
+            seq.status = SeqStatus.RUNNING
+        delta = self._append_token(seq, token)
+        if seq.is_done:
+            self.release(seq)
+            self.seqs[seq.request_id] = seq  # keep results readable until the caller drops them
+        return StepEvent(seq, token, delta, seq.is_done)
+
+    def _append_token(self, seq: Sequence, token: int) -> str:
+        seq.output_ids.append(token)
+        self.num_decode_tokens += 1
+        params = seq.params
+        if token in self.tokenizer.eos_ids and not params.ignore_eos:
+            seq.status, seq.finish_reason = SeqStatus.FINISHED, "stop"
+            return ""
+        text = self.tokenizer.decode(seq.output_ids)
+        if params.stop:
+            hits = [text.find(s) for s in params.stop if s and s in text]
+            if hits:
+                cut = min(hits)
+                delta = text[len(seq.text):cut] if cut > len(seq.text) else ""
+                seq.text = text[:cut]
+                seq.status, seq.finish_reason = SeqStatus.FINISHED, "stop"
+                return delta
+        if len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.model.config.max_position:
+            seq.status, seq.finish_reason = SeqStatus.FINISHED, "length"
+            delta, seq.text = text[len(seq.text):], text
+            return delta
+        # hold back an incomplete UTF-8 character and anything that may be the start of a stop string
+        safe = len(text.rstrip("\ufffd"))
+        for s in params.stop:
+            for k in range(min(len(s) - 1, safe), 0, -1):
+                if text[:safe].endswith(s[:k]):
+                    safe -= k
+                    break
+        if safe <= len(seq.text):
+            return ""
+        delta, seq.text = text[len(seq.text):safe], text[:safe]
+        return delta
+
+    def _fail_closed(self, seq: Sequence, exc: OwnershipViolation) -> StepEvent:
+        log.error("ownership violation, request fails closed and worker is quarantined: %s", exc)
+        self.violations.append(exc.violation)
+        self.quarantined = True
+        seq.status, seq.error = SeqStatus.FAILED, str(exc)
+        seq.text = ""
+        self.scheduler.remove(seq)
+        self.block_manager.release_all(seq)
+        return StepEvent(seq, None, "", True)
+
+    # ---- convenience -----------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
+        """Runs prompts to completion together (tests, CLI, benchmarks)."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        seqs = [self.add_request(f"gen-{time.monotonic_ns()}-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, plist))]
+        while self.has_work:
+            self.step()
+        for s in seqs:
+            self.seqs.pop(s.request_id, None)
+        return seqs

@@ -1,0 +1,63 @@
+"""The KV page pool: one preallocated, pre-faulted tensor in which a page is contiguous across
+layers, K and V, so that scrubbing a page is one indexed fill.
+
+Layout: data[page, layer, k_or_v, offset, kv_head, head_dim]. Row `num_pages` is the null page:
+never allocated, always zero, used to pad block tables.
+"""
+import hashlib
+
+import torch
+
+
+class PagePool:
+    def __init__(self, num_pages: int, page_size: int, num_layers: int, num_kv_heads: int,
+                 head_dim: int, dtype=torch.float32, device="cpu"):
+        if num_pages <= 0 or page_size <= 0:
+            raise ValueError("num_pages and page_size must be positive")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.null_page = num_pages
+        self.data = torch.empty(num_pages + 1, num_layers, 2, page_size, num_kv_heads, head_dim,
+                                dtype=dtype, device=device)
+        self.data.fill_(0)  # touch every page now: first-touch faults would otherwise land on the hot path
+
+    @staticmethod
+    def page_bytes(page_size, num_layers, num_kv_heads, head_dim, dtype) -> int:
+        return page_size * num_layers * 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def bytes_per_page(self) -> int:
+        return self.data[0].numel() * self.data.element_size()
+
+    def write(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        self.data[pages, layer, 0, offsets] = k
+        self.data[pages, layer, 1, offsets] = v
+
+    def scrub(self, pages) -> None:
+        if len(pages):
+            idx = torch.as_tensor(list(pages), dtype=torch.long, device=self.data.device)
+            self.data.index_fill_(0, idx, 0)
+
+    def export_pages(self, pages) -> torch.Tensor:
+        """A copy of whole pages, [n, layers, 2, page_size, kv_heads, head_dim]."""
+        idx = torch.as_tensor(list(pages), dtype=torch.long, device=self.data.device)
+        return self.data.index_select(0, idx).cpu()
+
+    def import_pages(self, pages, blob: torch.Tensor) -> None:
+        idx = torch.as_tensor(list(pages), dtype=torch.long, device=self.data.device)
+        if blob.shape[1:] != self.data.shape[1:] or blob.shape[0] != len(idx):
+            raise ValueError(f"page blob shape {tuple(blob.shape)} does not fit pool pages {tuple(self.data.shape[1:])}")
+        self.data.index_copy_(0, idx, blob.to(device=self.data.device, dtype=self.data.dtype))
+
+
+def page_checksums(blob: torch.Tensor) -> list[str]:
+    """sha256 per page of an exported page blob (first 16 hex digits)."""
+    raw = blob.contiguous().view(torch.uint8).reshape(blob.shape[0], -1).numpy()
+    return [hashlib.sha256(row.tobytes()).hexdigest()[:16] for row in raw]

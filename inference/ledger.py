@@ -1,0 +1,612 @@
+"""The page ledger in Redis: which owner holds which page of a pool, under which epoch, until when.
+
+This is the only module that reads or writes the ledger's keys; every mutation is one Lua script.
+"""
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from typing import Sequence
+
+import redis
+from redis.exceptions import ResponseError
+
+from inference.allocator import Grant, IntegrityError, LedgerError
+
+ROLES = ("prefill", "decode", "sandbox")
+# Every script gets the pool's fixed keys as KEYS in this order, and ARGV[1..2] = owner-key prefix, pool id.
+_KEY_PARTS = ("meta", "free", "page_owner", "page_epoch", "owners", "leases", "dirty", "epoch")
+
+
+def ledger_key(prefix: str, pool_id: str | None = None, part: str = "") -> str:
+    """The one place key names are built: `{prefix}:pools`, or `{prefix}:pool:{pool_id}:{part}`."""
+    if pool_id is None:
+        return f"{prefix}:pools"
+    return f"{prefix}:pool:{pool_id}:{part}"
+
+
+@dataclass(frozen=True)
+class ReclaimEvent:
+    """An owner whose lease ran out: its pages went to the dirty set and wait to be scrubbed."""
+
+    pool_id: str
+    owner: str
+    pages: tuple[int, ...]
+    epochs: tuple[int, ...]
+    expired_at_ms: int
+
+
+_PREAMBLE = """
+local meta, free, page_owner, page_epoch, owners, leases, dirty, epoch, pools = unpack(KEYS)
+local owner_prefix, pool = ARGV[1], ARGV[2]
+local NOT_REGISTERED =
+  'not registered; its worker registers it at start (was Redis restarted without persistence?)'
+local function fail(kind, msg) return redis.error_reply(kind .. ' pool ' .. pool .. ': ' .. msg) end
+local function int(x) return string.format('%d', x) end
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function by_number(a, b) return tonumber(a) < tonumber(b) end
+local function registered() return redis.call('EXISTS', meta) == 1 end
+-- every owner any record names, so a reset or an audit misses none
+local function all_owners()
+  local seen, out = {}, {}
+  local function add(list)
+    for _, o in ipairs(list) do
+      if not seen[o] then seen[o] = true; out[#out + 1] = o end
+    end
+  end
+  add(redis.call('SMEMBERS', owners))
+  add(redis.call('HVALS', page_owner))
+  add(redis.call('ZRANGE', leases, 0, -1))
+  return out
+end
+local function wipe()
+  for _, o in ipairs(all_owners()) do redis.call('DEL', owner_prefix .. o) end
+  redis.call('DEL', meta, free, page_owner, page_epoch, owners, leases, dirty)
+end
+local function state_of(page)
+  local holder = redis.call('HGET', page_owner, page)
+  if holder then
+    return 'it is held by ' .. holder .. ' at epoch ' .. (redis.call('HGET', page_epoch, page) or '?')
+  end
+  if redis.call('SISMEMBER', dirty, page) == 1 then return 'it is dirty, waiting to be scrubbed' end
+  if redis.call('LPOS', free, page) then return 'it is free' end
+  return 'it is not a page of this pool (0..' .. (redis.call('HGET', meta, 'num_pages') - 1) .. ')'
+end
+local function misfiled(owner, page)
+  return fail('INTEGRITY', owner .. ' lists page ' .. page .. ' but ' .. state_of(page)
+    .. '; run check_integrity')
+end
+"""
+
+_SCRIPTS = {
+    # ARGV: role, num_pages, page_size. The epoch counter survives: fencing tokens never repeat.
+    "register": """
+local num_pages = tonumber(ARGV[4])
+wipe()
+redis.call('HSET', meta, 'role', ARGV[3], 'num_pages', int(num_pages), 'page_size', ARGV[5],
+           'created', int(now_ms()))
+local batch = {}
+for page = 0, num_pages - 1 do
+  batch[#batch + 1] = int(page)
+  if #batch == 1000 or page == num_pages - 1 then
+    redis.call('RPUSH', free, unpack(batch))
+    batch = {}
+  end
+end
+redis.call('SADD', pools, pool)
+return num_pages
+""",
+    "unregister": """
+wipe()
+redis.call('DEL', epoch)
+redis.call('SREM', pools, pool)
+return 1
+""",
+    # ARGV: owner, n, ttl_ms, must_hold. Returns {page, epoch, ...}, or nil when fewer than n are free.
+    "grant": """
+local owner, n, ttl_ms = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
+local okey = owner_prefix .. owner
+if not registered() then return fail('LEDGER', NOT_REGISTERED) end
+if ARGV[6] == '1' and redis.call('SCARD', okey) == 0 then
+  return fail('LEDGER', owner .. ' holds no pages to extend; allocate its first pages instead')
+end
+if n == 0 then return {} end
+if redis.call('LLEN', free) < n then return false end
+local pages = redis.call('LPOP', free, n)
+local first = redis.call('INCRBY', epoch, n) - n
+local out = {}
+for i, page in ipairs(pages) do
+  redis.call('HSET', page_owner, page, owner)
+  redis.call('HSET', page_epoch, page, int(first + i))
+  redis.call('SADD', okey, page)
+  out[#out + 1] = tonumber(page)
+  out[#out + 1] = first + i
+end
+redis.call('SADD', owners, owner)
+redis.call('ZADD', leases, int(now_ms() + ttl_ms), owner)
+return out
+""",
+    # ARGV: owner, k, k pages, k epochs. All or nothing.
+    "free": """
+local owner, k = ARGV[3], tonumber(ARGV[4])
+local okey = owner_prefix .. owner
+if not registered() then return fail('LEDGER', NOT_REGISTERED) end
+local seen = {}
+for i = 1, k do
+  local page, e = ARGV[4 + i], ARGV[4 + k + i]
+  if seen[page] then return fail('LEDGER', 'page ' .. page .. ' is listed twice; free each page once') end
+  seen[page] = true
+  if redis.call('HGET', page_owner, page) ~= owner or redis.call('HGET', page_epoch, page) ~= e then
+    return fail('LEDGER', owner .. ' cannot free page ' .. page .. ' at epoch ' .. e .. ': ' .. state_of(page))
+  end
+end
+for i = 1, k do
+  local page = ARGV[4 + i]
+  redis.call('HDEL', page_owner, page)
+  redis.call('HDEL', page_epoch, page)
+  redis.call('SREM', okey, page)
+  redis.call('RPUSH', free, page)
+end
+if redis.call('SCARD', okey) == 0 then
+  redis.call('SREM', owners, owner)
+  redis.call('ZREM', leases, owner)
+end
+return k
+""",
+    # ARGV: owner. Returns the freed pages, sorted; they join the free list in that order.
+    "release": """
+local owner = ARGV[3]
+local okey = owner_prefix .. owner
+if not registered() then return fail('LEDGER', NOT_REGISTERED) end
+local pages = redis.call('SMEMBERS', okey)
+table.sort(pages, by_number)
+for _, page in ipairs(pages) do
+  if redis.call('HGET', page_owner, page) ~= owner then
+    return misfiled(owner, page)
+  end
+end
+local out = {}
+for _, page in ipairs(pages) do
+  redis.call('HDEL', page_owner, page)
+  redis.call('HDEL', page_epoch, page)
+  redis.call('RPUSH', free, page)
+  out[#out + 1] = tonumber(page)
+end
+redis.call('DEL', okey)
+redis.call('SREM', owners, owner)
+redis.call('ZREM', leases, owner)
+return out
+""",
+    # ARGV: ttl_ms, owners... Renews only existing leases; returns the owners that hold none.
+    "renew": """
+if not registered() then return fail('LEDGER', NOT_REGISTERED) end
+local expiry = int(now_ms() + tonumber(ARGV[3]))
+local missing = {}
+for i = 4, #ARGV do
+  if redis.call('ZSCORE', leases, ARGV[i]) then
+    redis.call('ZADD', leases, expiry, ARGV[i])
+  else
+    missing[#missing + 1] = ARGV[i]
+  end
+end
+return missing
+""",
+    # ARGV: now_ms or '' for Redis TIME. Returns {{owner, expired_at_ms, {page, epoch, ...}}, ...}.
+    "reap": """
+if not registered() then return fail('LEDGER', NOT_REGISTERED) end
+local now = tonumber(ARGV[3]) or now_ms()
+local expired = redis.call('ZRANGEBYSCORE', leases, '-inf', int(now), 'WITHSCORES')
+local events, doomed = {}, {}
+for i = 1, #expired, 2 do
+  local owner = expired[i]
+  local pages = redis.call('SMEMBERS', owner_prefix .. owner)
+  table.sort(pages, by_number)
+  local flat = {}
+  for _, page in ipairs(pages) do
+    local e = redis.call('HGET', page_epoch, page)
+    if redis.call('HGET', page_owner, page) ~= owner or not e then
+      return misfiled(owner, page)
+    end
+    flat[#flat + 1] = tonumber(page)
+    flat[#flat + 1] = tonumber(e)
+  end
+  events[#events + 1] = {owner, tonumber(expired[i + 1]), flat}
+  doomed[#doomed + 1] = pages
+end
+for i, ev in ipairs(events) do
+  local owner = ev[1]
+  for _, page in ipairs(doomed[i]) do
+    redis.call('HDEL', page_owner, page)
+    redis.call('HDEL', page_epoch, page)
+    redis.call('SADD', dirty, page)
+  end
+  redis.call('DEL', owner_prefix .. owner)
+  redis.call('SREM', owners, owner)
+  redis.call('ZREM', leases, owner)
+end
+return events
+""",
+    # ARGV: pages... All or nothing; clean pages join the free list in the given order.
+    "mark_clean": """
+if not registered() then return fail('LEDGER', NOT_REGISTERED) end
+local seen = {}
+for i = 3, #ARGV do
+  local page = ARGV[i]
+  if seen[page] then
+    return fail('LEDGER', 'page ' .. page .. ' is listed twice; mark each page clean once')
+  end
+  seen[page] = true
+  if redis.call('SISMEMBER', dirty, page) == 0 then
+    return fail('LEDGER', 'cannot mark page ' .. page .. ' clean: ' .. state_of(page)
+      .. '; only pages from take_dirty() need scrubbing')
+  end
+end
+for i = 3, #ARGV do
+  redis.call('SREM', dirty, ARGV[i])
+  redis.call('RPUSH', free, ARGV[i])
+end
+return #ARGV - 2
+""",
+    "pages_of": """
+local out = {}
+for _, page in ipairs(redis.call('SMEMBERS', owner_prefix .. ARGV[3])) do
+  out[#out + 1] = tonumber(page)
+  out[#out + 1] = tonumber(redis.call('HGET', page_epoch, page)) or -1
+end
+return out
+""",
+    # One consistent read of every record; check_integrity and snapshot judge it in Python.
+    "facts": """
+local names = all_owners()
+local sets = {}
+for i, o in ipairs(names) do sets[i] = redis.call('SMEMBERS', owner_prefix .. o) end
+return {
+  redis.call('HGET', meta, 'num_pages'),
+  redis.call('LRANGE', free, 0, -1),
+  redis.call('SMEMBERS', dirty),
+  redis.call('HGETALL', page_owner),
+  redis.call('HGETALL', page_epoch),
+  redis.call('SMEMBERS', owners),
+  names,
+  sets,
+  redis.call('ZRANGE', leases, 0, -1, 'WITHSCORES'),
+  redis.call('GET', epoch) or '0',
+  redis.call('SISMEMBER', pools, pool),
+}
+""",
+}
+
+
+def _str(value) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _ms(seconds: float) -> int:
+    if seconds <= 0:
+        raise ValueError(f"lease TTL must be positive seconds, got {seconds}")
+    return max(1, round(seconds * 1000))
+
+
+def _few(items, limit: int = 20) -> str:
+    items = list(items)
+    return str(items) if len(items) <= limit else f"{items[:limit]} and {len(items) - limit} more"
+
+
+def _pool_keys(prefix: str, pool_id: str) -> list[str]:
+    return [ledger_key(prefix, pool_id, part) for part in _KEY_PARTS] + [ledger_key(prefix)]
+
+
+def _run(script, keys: list[str], args: list) -> object:
+    """Run a ledger script; its LEDGER/INTEGRITY error replies become LedgerError/IntegrityError."""
+    try:
+        return script(keys=keys, args=args)
+    except ResponseError as e:
+        kind, _, message = str(e).partition(" ")
+        if kind == "INTEGRITY":
+            raise IntegrityError(message) from None
+        if kind == "LEDGER":
+            raise LedgerError(message) from None
+        raise
+
+
+def _check_pool_id(pool_id: str) -> None:
+    if not isinstance(pool_id, str) or not pool_id or ":" in pool_id:
+        raise ValueError(f"pool_id must be a non-empty string without ':', got {pool_id!r}")
+
+
+def _check_owner(owner: str) -> None:
+    if not isinstance(owner, str) or not owner:
+        raise LedgerError(f"owner must be a non-empty string, got {owner!r}")
+
+
+@dataclass
+class _Facts:
+    num_pages: int | None
+    free: list[int]
+    dirty: set[int]
+    page_owner: dict[int, str]
+    page_epoch: dict[int, int]
+    owner_index: set[str]
+    owner_sets: dict[str, set[int]]
+    leases: dict[str, int]
+    epoch_counter: int
+    is_listed: bool
+
+
+class RedisLedger:
+    """PageAllocator for one pool, kept in Redis so that every process sees the same owners.
+
+    Needs Redis >= 6.2 (LPOP with a count) running with maxmemory-policy noeviction.
+    """
+
+    def __init__(
+        self, redis_client: redis.Redis, pool_id: str, prefix: str = "kvs", lease_ttl_s: float = 30.0
+    ):
+        _check_pool_id(pool_id)
+        _ms(lease_ttl_s)
+        self.redis = redis_client
+        self.pool_id = pool_id
+        self.prefix = prefix
+        self.lease_ttl_s = lease_ttl_s
+        self._keys = _pool_keys(prefix, pool_id)
+        self._lua = {name: redis_client.register_script(_PREAMBLE + body) for name, body in _SCRIPTS.items()}
+        meta = {_str(k): _str(v) for k, v in redis_client.hgetall(self.key("meta")).items()}
+        if not meta:
+            raise LedgerError(
+                f"pool {pool_id} is not registered under prefix {prefix!r}; start its worker "
+                f"(it calls RedisLedger.register) or check the prefix and Redis database"
+            )
+        self.role = meta["role"]
+        self.num_pages = int(meta["num_pages"])
+        self.page_size = int(meta["page_size"])
+
+    @classmethod
+    def register(
+        cls,
+        redis_client: redis.Redis,
+        pool_id: str,
+        role: str,
+        num_pages: int,
+        page_size: int,
+        prefix: str = "kvs",
+        lease_ttl_s: float = 30.0,
+    ) -> "RedisLedger":
+        """Create the pool, or reset it (a restarted worker's tensor is fresh); epochs stay monotonic."""
+        _check_pool_id(pool_id)
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        if num_pages <= 0 or page_size <= 0:
+            raise ValueError(f"num_pages and page_size must be positive, got {num_pages} and {page_size}")
+        script = redis_client.register_script(_PREAMBLE + _SCRIPTS["register"])
+        owner_prefix = ledger_key(prefix, pool_id, "owner:")
+        _run(script, _pool_keys(prefix, pool_id), [owner_prefix, pool_id, role, num_pages, page_size])
+        return cls(redis_client, pool_id, prefix, lease_ttl_s)
+
+    def key(self, part: str) -> str:
+        return ledger_key(self.prefix, self.pool_id, part)
+
+    def _call(self, name: str, *args) -> object:
+        return _run(self._lua[name], self._keys, [self.key("owner:"), self.pool_id, *args])
+
+    def unregister(self) -> None:
+        """Delete every key of this pool, its epoch counter included."""
+        self._call("unregister")
+
+    def num_free(self) -> int:
+        return self.redis.llen(self.key("free"))
+
+    def allocate(self, owner: str, n: int) -> Grant | None:
+        """Pop n pages off the head of the free list, each under a fresh epoch; None when fewer are free."""
+        return self._grant(owner, n, must_hold=False)
+
+    def extend(self, owner: str, n: int) -> Grant | None:
+        """allocate() for an owner that already holds pages."""
+        return self._grant(owner, n, must_hold=True)
+
+    def _grant(self, owner: str, n: int, must_hold: bool) -> Grant | None:
+        _check_owner(owner)
+        if n < 0:
+            raise LedgerError(f"pool {self.pool_id}: cannot allocate {n} pages; ask for 0 or more")
+        flat = self._call("grant", owner, n, _ms(self.lease_ttl_s), int(must_hold))
+        if flat is None:
+            return None
+        return Grant(tuple(flat[0::2]), tuple(flat[1::2]))
+
+    def free(self, owner: str, pages: Sequence[int], epochs: Sequence[int]) -> None:
+        """Return pages to the tail of the free list; all or nothing, only at the epochs they were granted."""
+        _check_owner(owner)
+        pages, epochs = [int(p) for p in pages], [int(e) for e in epochs]
+        if len(pages) != len(epochs):
+            raise LedgerError(f"pool {self.pool_id}: free got {len(pages)} pages but {len(epochs)} epochs")
+        if pages:
+            self._call("free", owner, len(pages), *pages, *epochs)
+
+    def release(self, owner: str) -> list[int]:
+        """Free everything the owner holds and drop its lease; returns the pages, sorted."""
+        _check_owner(owner)
+        return self._call("release", owner)
+
+    def renew_leases(self, owners: Sequence[str], ttl_s: float | None = None) -> list[str]:
+        """Push the owners' lease expiry to now + ttl_s; returns the owners that hold no lease (reaped)."""
+        ttl_ms, owners = _ms(self.lease_ttl_s if ttl_s is None else ttl_s), list(owners)
+        return [_str(o) for o in self._call("renew", ttl_ms, *owners)] if owners else []
+
+    def reap_expired(self, now_ms: int | None = None) -> list[ReclaimEvent]:
+        """Move the pages of every owner whose lease expired to the dirty set (never straight to free)."""
+        events = self._call("reap", "" if now_ms is None else int(now_ms))
+        return [
+            ReclaimEvent(self.pool_id, _str(owner), tuple(flat[0::2]), tuple(flat[1::2]), expired_at_ms)
+            for owner, expired_at_ms, flat in events
+        ]
+
+    def take_dirty(self) -> list[int]:
+        """Pages waiting to be scrubbed, sorted; they stay dirty until mark_clean."""
+        return sorted(int(p) for p in self.redis.smembers(self.key("dirty")))
+
+    def mark_clean(self, pages: Sequence[int]) -> None:
+        """Scrubbed pages join the tail of the free list; every page must be dirty (all or nothing)."""
+        pages = [int(p) for p in pages]
+        if pages:
+            self._call("mark_clean", *pages)
+
+    def owner_of(self, page: int) -> tuple[str, int] | None:
+        with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hget(self.key("page_owner"), page).hget(self.key("page_epoch"), page)
+            owner, epoch = pipe.execute()
+        return None if owner is None else (_str(owner), int(epoch))
+
+    def pages_of(self, owner: str) -> dict[int, int]:
+        flat = self._call("pages_of", owner)
+        return dict(sorted(zip(flat[0::2], flat[1::2])))
+
+    def _facts(self) -> _Facts:
+        (num_pages, free, dirty, owner_flat, epoch_flat, index, names, sets, lease_flat, counter, listed) = (
+            self._call("facts")
+        )
+        return _Facts(
+            num_pages=None if num_pages is None else int(num_pages),
+            free=[int(p) for p in free],
+            dirty={int(p) for p in dirty},
+            page_owner={int(p): _str(o) for p, o in zip(owner_flat[0::2], owner_flat[1::2])},
+            page_epoch={int(p): int(e) for p, e in zip(epoch_flat[0::2], epoch_flat[1::2])},
+            owner_index={_str(o) for o in index},
+            owner_sets={_str(o): {int(p) for p in s} for o, s in zip(names, sets)},
+            leases={_str(o): int(float(t)) for o, t in zip(lease_flat[0::2], lease_flat[1::2])},
+            epoch_counter=int(counter),
+            is_listed=bool(listed),
+        )
+
+    def snapshot(self) -> dict[int, dict | str]:
+        """page -> {"owner", "epoch"} | "free" | "dirty" ("lost" only when the books do not balance)."""
+        f = self._facts()
+        num_pages = self.num_pages if f.num_pages is None else f.num_pages
+        free = set(f.free)
+        out: dict[int, dict | str] = {}
+        for page in range(num_pages):
+            if page in f.page_owner:
+                out[page] = {"owner": f.page_owner[page], "epoch": f.page_epoch.get(page, -1)}
+            else:
+                out[page] = "dirty" if page in f.dirty else "free" if page in free else "lost"
+        return out
+
+    def check_integrity(self) -> None:
+        """Raise IntegrityError naming every way the pool's records disagree, from one consistent read."""
+        problems = _integrity_problems(self._facts())
+        if problems:
+            raise IntegrityError(
+                f"pool {self.pool_id}: " + "; ".join(problems) + ". Stop the pool's worker and restart it: "
+                "registering resets the pool (its tensor is fresh; epochs stay monotonic)"
+            )
+
+
+def _repeated(items) -> list:
+    return sorted(x for x, count in Counter(items).items() if count > 1)
+
+
+def _integrity_problems(f: _Facts) -> list[str]:
+    if f.num_pages is None:
+        return ["its meta hash is missing (not registered, or the keys were deleted or evicted)"]
+    problems = []
+    free, owned, dirty, epochs = set(f.free), f.page_owner.keys(), f.dirty, f.page_epoch
+    if twice_free := _repeated(f.free):
+        problems.append(f"pages on the free list twice: {_few(twice_free)}")
+    listers = defaultdict(list)  # page -> owners whose page set lists it
+    for owner, pages in sorted(f.owner_sets.items()):
+        for page in pages:
+            listers[page].append(owner)
+    seen = free | dirty | owned | epochs.keys() | listers.keys()
+    if out_of_range := sorted(p for p in seen if not 0 <= p < f.num_pages):
+        problems.append(f"page ids outside 0..{f.num_pages - 1}: {_few(out_of_range)}")
+    for what, a, b in (("free and owned", free, owned), ("free and dirty", free, dirty),
+                       ("dirty and owned", dirty, owned)):
+        if a & b:
+            problems.append(f"pages both {what}: {_few(sorted(a & b))}")
+    if len(free) + len(owned) + len(dirty) != f.num_pages:
+        problems.append(f"free {len(free)} + owned {len(owned)} + dirty {len(dirty)} != total {f.num_pages}")
+    if lost := sorted(set(range(f.num_pages)) - seen):
+        problems.append(f"pages in no state: {_few(lost)}")
+    if owned != epochs.keys():
+        problems.append(f"pages with an owner or an epoch but not both: {_few(sorted(owned ^ epochs.keys()))}")
+    if twice := [(p, o) for p, o in sorted(listers.items()) if len(o) > 1]:
+        problems.append(f"pages listed by two owners: {_few(twice)}")
+    if disagree := [
+        (p, f.page_owner.get(p), listers.get(p, []))
+        for p in sorted(owned | listers.keys())
+        if len(listers.get(p, [])) < 2 and listers.get(p) != [f.page_owner.get(p)]
+    ]:
+        problems.append(f"owner page sets disagree with page->owner for (page, owner, listed by): "
+                        f"{_few(disagree)}")
+    holders = {o for o, pages in f.owner_sets.items() if pages}
+    if f.owner_index != holders:
+        problems.append(f"owner index {sorted(f.owner_index)} != owners holding pages {sorted(holders)}")
+    if unleased := sorted(holders - f.leases.keys()):
+        problems.append(f"owners holding pages without a lease (never reaped): {_few(unleased)}")
+    if idle := sorted(f.leases.keys() - holders):
+        problems.append(f"leases of owners holding nothing: {_few(idle)}")
+    if epochs and max(epochs.values()) > f.epoch_counter:
+        problems.append(
+            f"epoch counter {f.epoch_counter} is behind granted epoch {max(epochs.values())}: "
+            "fencing tokens would repeat"
+        )
+    if shared := _repeated(epochs.values()):
+        problems.append(f"pages share an epoch: {_few(shared)}")
+    if not f.is_listed:
+        problems.append("the pool is missing from the pools set")
+    return problems
+
+
+def judge_eviction_policy(policy: str) -> None:
+    """Raise LedgerError unless `policy` is noeviction: an evicted ledger key loses pages silently."""
+    if policy != "noeviction":
+        raise LedgerError(
+            f"Redis maxmemory-policy is {policy!r}, so under memory pressure Redis may evict ledger keys and "
+            "hand out pages that are in use. Run `redis-cli CONFIG SET maxmemory-policy noeviction` and set "
+            "`maxmemory-policy noeviction` in redis.conf so it survives a restart"
+        )
+
+
+def check_eviction_policy(redis_client: redis.Redis) -> None:
+    """Read the server's maxmemory-policy and judge it; a server that refuses CONFIG fails too."""
+    try:
+        reply = redis_client.config_get("maxmemory-policy")
+    except ResponseError as e:
+        raise LedgerError(
+            f"cannot read Redis maxmemory-policy (CONFIG GET refused: {e}). Make sure the server runs with "
+            "maxmemory-policy noeviction (managed Redis: set it in the provider's parameter group), or grant "
+            "this user CONFIG GET so kvserve can check it"
+        ) from None
+    judge_eviction_policy(_str(reply.get("maxmemory-policy", "")))
+
+
+def ledger_from_url(url: str, pool_id: str, prefix: str = "kvs", lease_ttl_s: float = 30.0) -> RedisLedger:
+    return RedisLedger(redis.Redis.from_url(url), pool_id, prefix, lease_ttl_s)
+
+
+def measure_latency(ledger: RedisLedger, num_ops: int = 200, num_pages: int = 1) -> dict[str, float]:
+    """p50/p99 microseconds of allocate and free round trips; run it on a pool with spare pages."""
+    owner = f"latency-probe:{time.monotonic_ns()}"
+    allocate_us, free_us = [], []
+    for _ in range(num_ops):
+        t0 = time.perf_counter_ns()
+        grant = ledger.allocate(owner, num_pages)
+        t1 = time.perf_counter_ns()
+        if grant is None:
+            raise LedgerError(
+                f"pool {ledger.pool_id} has fewer than {num_pages} free pages; measure on a sandbox pool"
+            )
+        ledger.free(owner, grant.pages, grant.epochs)
+        allocate_us.append((t1 - t0) / 1000)
+        free_us.append((time.perf_counter_ns() - t1) / 1000)
+
+    def pct(xs: list[float], q: float) -> float:
+        xs = sorted(xs)
+        return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+    return {
+        "allocate_p50_us": pct(allocate_us, 0.5),
+        "allocate_p99_us": pct(allocate_us, 0.99),
+        "free_p50_us": pct(free_us, 0.5),
+        "free_p99_us": pct(free_us, 0.99),
+    }

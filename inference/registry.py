@@ -1,0 +1,182 @@
+"""The worker registry: which prefill/decode workers are alive, what they can hold, which are quarantined.
+
+Owns the Redis keys under `{prefix}:workers:` only (the ledger module owns the page keys). No Django.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+PREFILL = "prefill"
+DECODE = "decode"
+SERVING_ROLES = (PREFILL, DECODE)
+
+# Deletes index entries whose info key has expired, atomically per id, so a worker that
+# re-registers between our read and the cleanup is never dropped from the index.
+_PRUNE_LUA = """
+local removed = 0
+for i, id in ipairs(ARGV) do
+  if redis.call('EXISTS', KEYS[i + 1]) == 0 then
+    removed = removed + redis.call('SREM', KEYS[1], id)
+  end
+end
+return removed
+"""
+
+
+class WorkerNotRegistered(KeyError):
+    """A heartbeat came for a worker whose registration is gone (expired or unregistered)."""
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    worker_id: str
+    role: str
+    host: str
+    pid: int
+    num_pages: int
+    page_size: int
+    capacity_tokens: int
+    window: int
+    model_fingerprint: str
+    dtype: str
+    device: str
+    attention_backend: str
+    scrub_policy: str
+    faults: list[str] = field(default_factory=list)
+    quarantined: bool = False
+    started_at: float = 0.0
+    heartbeat_at: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["faults"] = list(self.faults)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "WorkerInfo":
+        known = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in known}  # newer writers may add fields
+        kwargs["faults"] = list(kwargs.get("faults") or [])
+        return cls(**kwargs)
+
+    @property
+    def serving_limit(self) -> int:
+        """The most tokens (prompt + output) one request may use on this worker."""
+        return min(self.window, self.capacity_tokens)
+
+
+def _text(value: bytes | str | None) -> str | None:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class Registry:
+    """Worker registrations with a TTL refreshed by heartbeats; quarantine in its own key, no TTL."""
+
+    def __init__(self, redis, prefix: str = "kvs", ttl_s: float = 15):
+        if ttl_s <= 0:
+            raise ValueError("ttl_s must be positive")
+        self.redis = redis
+        self.prefix = prefix
+        self.ttl_ms = int(ttl_s * 1000)
+        self._prune = redis.register_script(_PRUNE_LUA)
+
+    def key(self, kind: str, worker_id: str | None = None) -> str:
+        """The one place registry key names are built: {prefix}:workers:{kind}[:{worker_id}]."""
+        base = f"{self.prefix}:workers:{kind}"
+        return base if worker_id is None else f"{base}:{worker_id}"
+
+    # --- a worker's own lifecycle -------------------------------------------------------
+
+    def register(self, info: WorkerInfo) -> WorkerInfo:
+        now = time.time()
+        info = dataclasses.replace(
+            info, started_at=info.started_at or now, heartbeat_at=now, quarantined=False
+        )
+        pipe = self.redis.pipeline()
+        pipe.set(self.key("info", info.worker_id), json.dumps(info.to_dict()), px=self.ttl_ms)
+        pipe.sadd(self.key("index"), info.worker_id)
+        pipe.execute()
+        return self._with_quarantine(info)
+
+    def heartbeat(self, worker_id: str, /, **changes: Any) -> WorkerInfo:
+        fields = {f.name for f in dataclasses.fields(WorkerInfo)}
+        forbidden = (set(changes) - fields) | ({"worker_id", "quarantined"} & set(changes))
+        if forbidden:
+            raise ValueError(f"heartbeat cannot change {sorted(forbidden)}")
+        raw = self.redis.get(self.key("info", worker_id))
+        if raw is None:
+            raise WorkerNotRegistered(worker_id)
+        info = dataclasses.replace(
+            WorkerInfo.from_dict(json.loads(raw)), **changes, heartbeat_at=time.time()
+        )
+        pipe = self.redis.pipeline()
+        pipe.set(self.key("info", worker_id), json.dumps(info.to_dict()), px=self.ttl_ms)
+        pipe.sadd(self.key("index"), worker_id)
+        pipe.execute()
+        return self._with_quarantine(info)
+
+    def unregister(self, worker_id: str) -> None:
+        """Removes the registration; a quarantine stays until an admin releases it."""
+        pipe = self.redis.pipeline()
+        pipe.delete(self.key("info", worker_id))
+        pipe.srem(self.key("index"), worker_id)
+        pipe.execute()
+
+    # --- reads ----------------------------------------------------------------------------
+
+    def live_workers(self, role: str | None = None) -> list[WorkerInfo]:
+        ids = sorted(_text(i) for i in self.redis.smembers(self.key("index")))
+        if not ids:
+            return []
+        raws = self.redis.mget([self.key("info", i) for i in ids])
+        live = {i: WorkerInfo.from_dict(json.loads(r)) for i, r in zip(ids, raws) if r is not None}
+        expired = [i for i in ids if i not in live]
+        if expired:
+            self._prune(keys=[self.key("index")] + [self.key("info", i) for i in expired], args=expired)
+        workers = [w for w in live.values() if role is None or w.role == role]
+        quarantined = self._quarantined_among([w.worker_id for w in workers])
+        return [dataclasses.replace(w, quarantined=w.worker_id in quarantined) for w in workers]
+
+    def effective_limit(self) -> int | None:
+        """min(window, capacity) over live prefill+decode workers; None unless both pools can serve.
+
+        Quarantined workers still count towards the minimum (conservative), but a pool whose
+        workers are all quarantined cannot serve, so the limit is then None.
+        """
+        workers = [w for w in self.live_workers() if w.role in SERVING_ROLES]
+        serving = {w.role for w in workers if not w.quarantined}
+        if not set(SERVING_ROLES) <= serving:
+            return None
+        return min(w.serving_limit for w in workers)
+
+    # --- quarantine -----------------------------------------------------------------------
+
+    def quarantine(self, worker_id: str, reason: str) -> None:
+        self.redis.hset(
+            self.key("quarantine", worker_id), mapping={"reason": reason, "at": repr(time.time())}
+        )
+
+    def release(self, worker_id: str) -> bool:
+        """Lifts a quarantine; True when there was one."""
+        return bool(self.redis.delete(self.key("quarantine", worker_id)))
+
+    def is_quarantined(self, worker_id: str) -> bool:
+        return bool(self.redis.exists(self.key("quarantine", worker_id)))
+
+    def quarantine_reason(self, worker_id: str) -> str | None:
+        return _text(self.redis.hget(self.key("quarantine", worker_id), "reason"))
+
+    def _with_quarantine(self, info: WorkerInfo) -> WorkerInfo:
+        return dataclasses.replace(info, quarantined=self.is_quarantined(info.worker_id))
+
+    def _quarantined_among(self, worker_ids: list[str]) -> set[str]:
+        if not worker_ids:
+            return set()
+        pipe = self.redis.pipeline()
+        for worker_id in worker_ids:
+            pipe.exists(self.key("quarantine", worker_id))
+        return {w for w, hit in zip(worker_ids, pipe.execute()) if hit}

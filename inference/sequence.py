@@ -1,0 +1,77 @@
+"""One request inside an engine: its tokens, sampling parameters, pages and lifecycle."""
+import enum
+import random
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError("temperature >= 0, 0 < top_p <= 1 and top_k >= 0 are required")
+        if self.seed is None:
+            object.__setattr__(self, "seed", random.getrandbits(63))
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # no pages yet
+    PREFILLING = "prefilling"  # pages held, prompt partly cached
+    RUNNING = "running"  # decoding
+    PREFILLED = "prefilled"  # prefill-only request done: KV ready for the handoff
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, prefill_only: bool = False):
+        if not prompt_ids:
+            raise ValueError("a request needs at least one prompt token")
+        self.request_id = request_id
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.prefill_only = prefill_only
+        self.output_ids: list[int] = []
+        self.status = SeqStatus.WAITING
+        self.block_table: list[int] = []
+        self.page_epochs: list[int] = []
+        self.num_cached = 0  # tokens whose K/V are in this sequence's pages
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.text = ""  # detokenized output so far, stop strings removed
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_done(self) -> bool:
+        return self.status in (SeqStatus.FINISHED, SeqStatus.FAILED, SeqStatus.PREFILLED)
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+    def num_pages_needed(self, page_size: int) -> int:
+        """Pages for the whole request: prompt plus every token it may generate."""
+        return -(-(self.num_prompt_tokens + self.params.max_tokens) // page_size)
+
+    def __repr__(self):
+        return f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, pages={self.block_table})"

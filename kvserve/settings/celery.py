@@ -1,0 +1,30 @@
+"""Celery (namespace CELERY_): Redis broker, prefill/decode queues, late acks, beat from the database."""
+from kombu import Queue
+
+from kvserve.settings.env import env_int
+from kvserve.settings.redis import REDIS_URL
+
+CELERY_BROKER_URL = REDIS_URL
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# A task not acked within this many seconds is redelivered: keep it above the longest task.
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env_int("KVSERVE_VISIBILITY_TIMEOUT_S", 3600)}
+CELERY_TASK_IGNORE_RESULT = True  # results live in ChatRequest rows and the SSE stream
+CELERY_TASK_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]  # never pickle
+
+CELERY_TASK_QUEUES = (Queue("prefill"), Queue("decode"))
+CELERY_TASK_DEFAULT_QUEUE = "prefill"
+CELERY_TASK_ROUTES = {
+    "inference.prefill*": {"queue": "prefill"},
+    "inference.decode*": {"queue": "decode"},
+}
+
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+# acks_late + reject_on_worker_lost redeliver a task whose worker died, forever if it keeps
+# killing workers. Tasks bound that: see kvserve/celery.py ("Redelivery is bounded").
+KVSERVE_TASK_MAX_DELIVERIES = env_int("KVSERVE_TASK_MAX_DELIVERIES", 3)
+
+CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
+CELERY_TIMEZONE = "UTC"

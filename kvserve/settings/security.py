@@ -1,0 +1,22 @@
+"""SECRET_KEY, the prefill->decode handoff key, DEBUG, allowed hosts and cookie hardening."""
+from kvserve.secrets import secret_get
+from kvserve.settings.env import env_bool, env_int, env_list
+
+# Env first (DJANGO_SECRET_KEY / KVSERVE_HANDOFF_KEY), else generated once into var/secrets.json.
+SECRET_KEY = secret_get("DJANGO_SECRET_KEY")
+KVSERVE_HANDOFF_KEY = secret_get("KVSERVE_HANDOFF_KEY")
+
+DEBUG = env_bool("DJANGO_DEBUG", False)
+ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS", "127.0.0.1,localhost,testserver,[::1]")
+CSRF_TRUSTED_ORIGINS = env_list("DJANGO_CSRF_TRUSTED_ORIGINS", "")
+
+# Served over TLS? Set DJANGO_HTTPS=1. The embedded default serves plain HTTP on loopback.
+HTTPS = env_bool("DJANGO_HTTPS", False)
+SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = SECURE_SSL_REDIRECT = HTTPS
+SECURE_HSTS_SECONDS = env_int("DJANGO_HSTS_SECONDS", 0) if HTTPS else 0
+if env_bool("DJANGO_BEHIND_PROXY", False):
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+SESSION_COOKIE_HTTPONLY = True
+X_FRAME_OPTIONS = "DENY"
+SECURE_CONTENT_TYPE_NOSNIFF = True
+SECURE_REFERRER_POLICY = "same-origin"

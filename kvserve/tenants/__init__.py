@@ -1,0 +1,1 @@
+"""Tenants and their API keys: who may call the API, and whether their text may be stored."""

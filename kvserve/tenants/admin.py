@@ -1,0 +1,56 @@
+"""Admin for tenants and API keys: create a key (shown once), revoke keys. Hashes are never shown."""
+from django.contrib import admin, messages
+from django.template.response import TemplateResponse
+
+from kvserve.tenants.models import ApiKey, Tenant
+from kvserve.tenants.services import api_key_create, api_key_revoke
+
+
+class ApiKeyInline(admin.TabularInline):
+    model = ApiKey
+    fields = ("prefix", "created_at", "revoked_at")
+    readonly_fields = fields
+    extra = 0
+    can_delete = False
+
+    def has_add_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(Tenant)
+class TenantAdmin(admin.ModelAdmin):
+    list_display = ("name", "store_text", "created_at")
+    list_filter = ("store_text",)
+    search_fields = ("name",)
+    inlines = [ApiKeyInline]
+    actions = ["create_api_key"]
+
+    @admin.action(description="Create a new API key (shown once)")
+    def create_api_key(self, request, queryset):
+        created = [(tenant, api_key_create(tenant.name)[1]) for tenant in queryset]
+        response = TemplateResponse(
+            request,
+            "admin/tenants/api_key_created.html",
+            {**self.admin_site.each_context(request), "title": "New API keys", "created": created},
+        )
+        response["Cache-Control"] = "no-store"
+        return response
+
+
+@admin.register(ApiKey)
+class ApiKeyAdmin(admin.ModelAdmin):
+    list_display = ("prefix", "tenant", "created_at", "revoked_at")
+    list_filter = ("revoked_at", "tenant")
+    search_fields = ("prefix", "tenant__name")
+    fields = ("tenant", "prefix", "created_at", "revoked_at")
+    readonly_fields = fields
+    actions = ["revoke"]
+
+    def has_add_permission(self, request):
+        return False  # keys come from `manage.py create_api_key` or the tenant action
+
+    @admin.action(description="Revoke selected API keys")
+    def revoke(self, request, queryset):
+        for api_key in queryset:
+            api_key_revoke(api_key=api_key)
+        self.message_user(request, f"Revoked {queryset.count()} key(s).", messages.SUCCESS)

@@ -1,0 +1,1 @@
+"""create_api_key."""

@@ -1,0 +1,439 @@
+"""RedisLedger against a real Redis: exact pages, epochs and free-list order; guards shown to fire."""
+import multiprocessing
+import os
+import random
+import re
+import time
+from collections import defaultdict, deque
+from uuid import uuid4
+
+import pytest
+import redis
+
+from inference.allocator import Grant, IntegrityError, LedgerError
+from inference.ledger import (
+    ReclaimEvent,
+    RedisLedger,
+    check_eviction_policy,
+    judge_eviction_policy,
+    ledger_from_url,
+    measure_latency,
+)
+
+URL = os.environ.get("KVSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+
+
+@pytest.fixture
+def pool(redis_client, ledger_prefix):
+    return RedisLedger.register(redis_client, "p0", "decode", num_pages=8, page_size=16, prefix=ledger_prefix)
+
+
+def free_list(ledger):
+    return [int(p) for p in ledger.redis.lrange(ledger.key("free"), 0, -1)]
+
+
+def dump(client, prefix):
+    """Every key under prefix with its full contents, to show an operation wrote nothing."""
+    out = {}
+    for key in client.scan_iter(match=f"{prefix}*"):
+        kind = client.type(key).decode()
+        out[key] = {
+            "string": lambda: client.get(key),
+            "list": lambda: client.lrange(key, 0, -1),
+            "set": lambda: sorted(client.smembers(key)),
+            "hash": lambda: client.hgetall(key),
+            "zset": lambda: client.zrange(key, 0, -1, withscores=True),
+        }[kind]()
+    return out
+
+
+def server_ms(client):
+    seconds, micros = client.time()
+    return seconds * 1000 + micros // 1000
+
+
+def test_register_lays_out_keys(pool, redis_client, ledger_prefix):
+    base = f"{ledger_prefix}:pool:p0"
+    assert set(redis_client.scan_iter(match=f"{ledger_prefix}*")) == {
+        f"{ledger_prefix}:pools".encode(), f"{base}:meta".encode(), f"{base}:free".encode()
+    }
+    meta = redis_client.hgetall(f"{base}:meta")
+    assert (meta[b"role"], meta[b"num_pages"], meta[b"page_size"]) == (b"decode", b"8", b"16")
+    assert abs(int(meta[b"created"]) - server_ms(redis_client)) < 5000
+    assert free_list(pool) == list(range(8))
+    assert redis_client.smembers(f"{ledger_prefix}:pools") == {b"p0"}
+    assert (pool.pool_id, pool.role, pool.num_pages, pool.page_size) == ("p0", "decode", 8, 16)
+
+    pool.allocate("a", 2)
+    assert {k.decode().removeprefix(base + ":") for k in redis_client.scan_iter(match=f"{base}:*")} == {
+        "meta", "free", "page_owner", "page_epoch", "owners", "leases", "epoch", "owner:a"
+    }
+
+
+def test_allocate_is_fifo_with_monotonic_epochs(pool):
+    assert pool.allocate("a", 3) == Grant((0, 1, 2), (1, 2, 3))
+    assert pool.num_free() == 5
+    pool.free("a", [1], [2])
+    assert free_list(pool) == [3, 4, 5, 6, 7, 1]
+    assert pool.allocate("b", 6) == Grant((3, 4, 5, 6, 7, 1), (4, 5, 6, 7, 8, 9))
+    assert pool.num_free() == 0
+    assert pool.pages_of("a") == {0: 1, 2: 3}
+    assert pool.pages_of("b") == {1: 9, 3: 4, 4: 5, 5: 6, 6: 7, 7: 8}
+    assert pool.owner_of(1) == ("b", 9)
+    assert pool.allocate("c", 0) == Grant((), ())
+    pool.check_integrity()
+
+
+def test_allocate_that_does_not_fit_returns_none_and_writes_nothing(pool, redis_client, ledger_prefix):
+    pool.allocate("a", 5)
+    before = dump(redis_client, ledger_prefix)
+    assert pool.allocate("b", 4) is None
+    assert pool.extend("a", 4) is None
+    assert dump(redis_client, ledger_prefix) == before
+    assert pool.allocate("b", 3) == Grant((5, 6, 7), (6, 7, 8))
+
+
+def test_contract_violations_raise(pool, redis_client, ledger_prefix):
+    before = dump(redis_client, ledger_prefix)
+    with pytest.raises(LedgerError, match="cannot allocate -1 pages"):
+        pool.allocate("a", -1)
+    with pytest.raises(LedgerError, match="holds no pages to extend"):
+        pool.extend("a", 1)
+    with pytest.raises(LedgerError, match="non-empty string"):
+        pool.allocate("", 1)
+    assert dump(redis_client, ledger_prefix) == before
+    with pytest.raises(ValueError, match="role must be one of"):
+        RedisLedger.register(redis_client, "p1", "training", 8, 16, prefix=ledger_prefix)
+    with pytest.raises(ValueError, match="without ':'"):
+        RedisLedger.register(redis_client, "p:1", "decode", 8, 16, prefix=ledger_prefix)
+    with pytest.raises(ValueError, match="must be positive"):
+        RedisLedger.register(redis_client, "p1", "decode", 0, 16, prefix=ledger_prefix)
+
+
+def test_extend_appends_to_an_owner(pool):
+    pool.allocate("a", 2)
+    assert pool.extend("a", 3) == Grant((2, 3, 4), (3, 4, 5))
+    assert pool.pages_of("a") == {0: 1, 1: 2, 2: 3, 3: 4, 4: 5}
+
+
+def test_free_by_non_owner_or_stale_epoch_is_refused_and_changes_nothing(pool, redis_client, ledger_prefix):
+    pool.allocate("a", 8)
+    pool.free("a", [0], [1])
+    assert pool.allocate("a", 1) == Grant((0,), (9,))
+    before = dump(redis_client, ledger_prefix)
+    with pytest.raises(LedgerError, match="a cannot free page 0 at epoch 1: it is held by a at epoch 9"):
+        pool.free("a", [0], [1])
+    with pytest.raises(LedgerError, match="b cannot free page 3 at epoch 4: it is held by a at epoch 4"):
+        pool.free("b", [3], [4])
+    # all or nothing: two good pages, then a bad one
+    with pytest.raises(LedgerError, match="page 2 at epoch 99"):
+        pool.free("a", [1, 3, 2], [2, 4, 99])
+    with pytest.raises(LedgerError, match="listed twice"):
+        pool.free("a", [1, 1], [2, 2])
+    with pytest.raises(LedgerError, match="2 pages but 1 epochs"):
+        pool.free("a", [1, 3], [2])
+    assert dump(redis_client, ledger_prefix) == before
+    pool.free("a", [3, 1], [4, 2])
+    with pytest.raises(LedgerError, match="page 3 at epoch 4: it is free"):
+        pool.free("a", [3], [4])
+    with pytest.raises(LedgerError, match=r"page 42 at epoch 1: it is not a page of this pool \(0..7\)"):
+        pool.free("a", [42], [1])
+    assert free_list(pool) == [3, 1]
+
+
+def test_free_of_last_page_drops_the_lease_and_release_frees_sorted(pool, redis_client):
+    a = pool.allocate("a", 2)
+    pool.allocate("b", 3)
+    pool.free("b", [3], [4])
+    assert redis_client.zscore(pool.key("leases"), "a") is not None
+    pool.free("a", a.pages, a.epochs)
+    assert redis_client.zscore(pool.key("leases"), "a") is None
+    assert not redis_client.sismember(pool.key("owners"), "a")
+    assert pool.pages_of("a") == {}
+    assert free_list(pool) == [5, 6, 7, 3, 0, 1]
+
+    pool.extend("b", 3)  # pages 5, 6, 7
+    assert pool.release("b") == [2, 4, 5, 6, 7]
+    assert free_list(pool) == [3, 0, 1, 2, 4, 5, 6, 7]
+    assert redis_client.zscore(pool.key("leases"), "b") is None
+    assert pool.release("b") == []
+    assert pool.snapshot() == {p: "free" for p in range(8)}
+    pool.check_integrity()
+
+
+def test_reregister_resets_the_pool_but_epochs_stay_monotonic(pool, redis_client, ledger_prefix):
+    pool.allocate("a", 3)
+    pool.allocate("b", 1)
+    again = RedisLedger.register(redis_client, "p0", "decode", num_pages=4, page_size=16, prefix=ledger_prefix)
+    assert again.num_pages == 4
+    assert free_list(again) == [0, 1, 2, 3]
+    assert again.pages_of("a") == {} and again.pages_of("b") == {}
+    assert redis_client.zcard(again.key("leases")) == 0
+    assert again.allocate("c", 2) == Grant((0, 1), (5, 6))
+    again.check_integrity()
+
+
+def test_leases_use_server_time_and_renew_only_live_owners(pool, redis_client):
+    pool.allocate("a", 1)
+    assert abs(redis_client.zscore(pool.key("leases"), "a") - (server_ms(redis_client) + 30_000)) < 2000
+    assert pool.renew_leases(["a", "ghost"], ttl_s=5) == ["ghost"]
+    assert abs(redis_client.zscore(pool.key("leases"), "a") - (server_ms(redis_client) + 5_000)) < 2000
+    assert redis_client.zscore(pool.key("leases"), "ghost") is None
+    assert pool.renew_leases([]) == []
+
+
+def test_expired_lease_moves_pages_to_dirty_until_scrubbed(pool, redis_client):
+    pool.allocate("a", 3)
+    pool.allocate("b", 1)
+    pool.renew_leases(["a"], ttl_s=0.05)
+    expiry = int(redis_client.zscore(pool.key("leases"), "a"))
+    time.sleep(0.1)
+    assert pool.reap_expired() == [ReclaimEvent("p0", "a", (0, 1, 2), (1, 2, 3), expiry)]
+    assert pool.reap_expired() == []
+    assert pool.num_free() == 4  # dirty pages are not free
+    assert pool.take_dirty() == [0, 1, 2]
+    assert pool.take_dirty() == [0, 1, 2]  # taking does not clean
+    assert pool.owner_of(0) is None and pool.pages_of("a") == {}
+    assert [pool.snapshot()[p] for p in range(5)] == ["dirty", "dirty", "dirty", {"owner": "b", "epoch": 4}, "free"]
+    assert pool.renew_leases(["a", "b"]) == ["a"]
+    assert pool.allocate("c", 5) is None
+    with pytest.raises(LedgerError, match="a cannot free page 1 at epoch 2: it is dirty, waiting to be scrubbed"):
+        pool.free("a", [1], [2])
+    pool.check_integrity()
+
+    pool.mark_clean([2, 0])
+    assert free_list(pool) == [4, 5, 6, 7, 2, 0]
+    with pytest.raises(LedgerError, match="cannot mark page 0 clean: it is free"):
+        pool.mark_clean([0])
+    with pytest.raises(LedgerError, match="cannot mark page 3 clean: it is held by b at epoch 4"):
+        pool.mark_clean([1, 3])
+    assert pool.take_dirty() == [1]  # all or nothing
+    pool.mark_clean([1])
+    assert pool.take_dirty() == [] and pool.num_free() == 7
+    pool.check_integrity()
+
+
+def test_reap_with_a_far_future_clock_takes_every_owner(pool):
+    pool.allocate("a", 2)
+    pool.allocate("b", 1)
+    events = pool.reap_expired(now_ms=10**15)
+    assert sorted((e.owner, e.pages, e.epochs) for e in events) == [("a", (0, 1), (1, 2)), ("b", (2,), (3,))]
+    assert pool.take_dirty() == [0, 1, 2]
+    pool.check_integrity()
+
+
+def test_snapshot_and_owner_queries(pool):
+    pool.allocate("a", 2)
+    pool.allocate("b", 1)
+    pool.reap_expired(now_ms=10**15)
+    pool.allocate("c", 1)
+    assert pool.snapshot() == {
+        0: "dirty", 1: "dirty", 2: "dirty", 3: {"owner": "c", "epoch": 4}, 4: "free", 5: "free", 6: "free", 7: "free"
+    }
+    assert pool.owner_of(3) == ("c", 4)
+    assert pool.owner_of(7) is None
+
+
+def _corrupt_setup(pool):
+    """a holds 0,1,2 (epochs 1-3), b holds 3,4 (4-5), page 5 is dirty, 6 and 7 are free."""
+    pool.allocate("a", 3)
+    pool.allocate("b", 2)
+    pool.allocate("c", 1)
+    pool.renew_leases(["c"], ttl_s=0.001)
+    time.sleep(0.01)
+    assert [e.owner for e in pool.reap_expired()] == ["c"]
+    pool.check_integrity()
+
+
+# name -> (inject into the raw keys, what check_integrity must say)
+CORRUPTIONS = {
+    "owned page pushed onto the free list": (
+        lambda r, k: r.rpush(k("free"), 0), "pages both free and owned: [0]"),
+    "free page pushed twice": (
+        lambda r, k: r.rpush(k("free"), 6), "pages on the free list twice: [6]"),
+    "page->owner entry deleted": (
+        lambda r, k: r.hdel(k("page_owner"), 1), "page->owner for (page, owner, listed by): [(1, None, ['a'])]"),
+    "page dropped from its owner's set": (
+        lambda r, k: r.srem(k("owner:a"), 2), "page->owner for (page, owner, listed by): [(2, 'a', [])]"),
+    "page owned by two owners": (
+        lambda r, k: r.sadd(k("owner:b"), 0), "pages listed by two owners: [(0, ['a', 'b'])]"),
+    "page id out of range": (
+        lambda r, k: r.rpush(k("free"), 99), "page ids outside 0..7: [99]"),
+    "dirty page pushed onto the free list": (
+        lambda r, k: r.rpush(k("free"), 5), "pages both free and dirty: [5]"),
+    "owned page marked dirty": (
+        lambda r, k: r.sadd(k("dirty"), 3), "pages both dirty and owned: [3]"),
+    "free page lost": (
+        lambda r, k: r.lrem(k("free"), 0, 7), "pages in no state: [7]"),
+    "epoch deleted": (
+        lambda r, k: r.hdel(k("page_epoch"), 4), "an owner or an epoch but not both: [4]"),
+    "lease deleted": (
+        lambda r, k: r.zrem(k("leases"), "a"), "without a lease (never reaped): ['a']"),
+    "owner index entry deleted": (
+        lambda r, k: r.srem(k("owners"), "b"), "owner index ['a'] != owners holding pages ['a', 'b']"),
+    "epoch counter reset": (
+        lambda r, k: r.set(k("epoch"), 0), "epoch counter 0 is behind granted epoch 5"),
+    "epoch duplicated": (
+        lambda r, k: r.hset(k("page_epoch"), 1, 1), "pages share an epoch: [1]"),
+    "meta deleted": (
+        lambda r, k: r.delete(k("meta")), "meta hash is missing"),
+}
+
+
+@pytest.mark.parametrize("fault", CORRUPTIONS)
+def test_check_integrity_catches_injected_corruption(pool, redis_client, fault):
+    _corrupt_setup(pool)
+    inject, expected = CORRUPTIONS[fault]
+    inject(redis_client, pool.key)
+    with pytest.raises(IntegrityError, match=re.escape(expected)):
+        pool.check_integrity()
+
+
+def test_release_refuses_to_free_a_page_another_owner_holds(pool, redis_client):
+    _corrupt_setup(pool)
+    redis_client.sadd(pool.key("owner:a"), 3)  # a's set claims b's page
+    with pytest.raises(IntegrityError, match="a lists page 3 but it is held by b at epoch 4"):
+        pool.release("a")
+    assert pool.owner_of(3) == ("b", 4) and pool.owner_of(0) == ("a", 1)
+
+
+def test_missing_pool_is_an_error_not_an_empty_pool(pool, redis_client, ledger_prefix):
+    with pytest.raises(LedgerError, match="pool nope is not registered"):
+        RedisLedger(redis_client, "nope", prefix=ledger_prefix)
+    redis_client.delete(pool.key("meta"))  # e.g. Redis restarted without persistence
+    with pytest.raises(LedgerError, match="pool p0: not registered"):
+        pool.allocate("a", 1)
+
+
+def test_unregister_deletes_only_this_pools_keys(pool, redis_client, ledger_prefix):
+    other = RedisLedger.register(redis_client, "p1", "prefill", 4, 16, prefix=ledger_prefix)
+    pool.allocate("a", 2)
+    pool.reap_expired(now_ms=10**15)
+    pool.allocate("b", 1)
+    pool.unregister()
+    assert list(redis_client.scan_iter(match=f"{ledger_prefix}:pool:p0:*")) == []
+    assert redis_client.smembers(f"{ledger_prefix}:pools") == {b"p1"}
+    assert free_list(other) == [0, 1, 2, 3]
+    other.check_integrity()
+
+
+def test_works_with_a_decoding_client(redis_client, ledger_prefix):
+    client = redis.Redis.from_url(URL, decode_responses=True)
+    pool = RedisLedger.register(client, "p0", "sandbox", 4, 16, prefix=ledger_prefix)
+    assert pool.allocate("a", 2) == Grant((0, 1), (1, 2))
+    assert pool.renew_leases(["a", "z"]) == ["z"]
+    assert pool.owner_of(1) == ("a", 2)
+    assert [e.owner for e in pool.reap_expired(now_ms=10**15)] == ["a"]
+    assert pool.take_dirty() == [0, 1]
+    pool.check_integrity()
+    assert ledger_from_url(URL, "p0", prefix=ledger_prefix).snapshot() == pool.snapshot()
+    client.close()
+
+
+def test_judge_eviction_policy():
+    judge_eviction_policy("noeviction")
+    for policy in ("allkeys-lru", "volatile-lru", "allkeys-lfu", "volatile-ttl", "allkeys-random", ""):
+        with pytest.raises(LedgerError, match="redis-cli CONFIG SET maxmemory-policy noeviction.*redis.conf"):
+            judge_eviction_policy(policy)
+
+
+def test_check_eviction_policy_against_the_live_server(redis_client):
+    policy = redis_client.config_get("maxmemory-policy")["maxmemory-policy"]
+    if policy == "noeviction":
+        check_eviction_policy(redis_client)
+    else:
+        with pytest.raises(LedgerError, match="CONFIG SET maxmemory-policy noeviction"):
+            check_eviction_policy(redis_client)
+
+
+def test_check_eviction_policy_when_config_is_not_permitted(redis_client):
+    user = f"kvstest-noconfig-{uuid4().hex[:10]}"
+    redis_client.acl_setuser(user, enabled=True, nopass=True, keys=["*"], commands=["+@all", "-config"])
+    try:
+        limited = redis.Redis.from_url(URL, username=user, password="unused")
+        with pytest.raises(LedgerError, match="CONFIG GET refused.*maxmemory-policy noeviction"):
+            check_eviction_policy(limited)
+        limited.close()
+    finally:
+        redis_client.acl_deluser(user)
+
+
+def test_measure_latency_leaves_the_pool_as_it_was(redis_client, ledger_prefix):
+    pool = RedisLedger.register(redis_client, "bench", "sandbox", 8, 16, prefix=ledger_prefix)
+    stats = measure_latency(pool, num_ops=20, num_pages=2)
+    assert set(stats) == {"allocate_p50_us", "allocate_p99_us", "free_p50_us", "free_p99_us"}
+    assert all(v > 0 for v in stats.values())
+    assert pool.num_free() == 8
+    pool.check_integrity()
+
+
+# Four processes churn one pool. Each stamps the shared "tensor" with its id while it holds a
+# page, so a page granted to two processes at once shows up as a stamp that is not zero.
+_stamps = None
+
+
+def _init_worker(stamps):
+    global _stamps
+    _stamps = stamps
+
+
+def _churn(url, prefix, pool_id, worker, num_grants, seed):
+    ledger = RedisLedger(redis.Redis.from_url(url), pool_id, prefix)
+    owner, rng = f"w{worker}", random.Random(seed)
+    held, records, violations, num_full = deque(), [], [], 0
+
+    def give_back():
+        grant, granted_ns = held.popleft()
+        for page, epoch in zip(grant.pages, grant.epochs):
+            if ledger.owner_of(page) != (owner, epoch):
+                violations.append(f"{owner} lost page {page}@{epoch}: {ledger.owner_of(page)}")
+            _stamps[page] = 0
+        freeing_ns = time.monotonic_ns()
+        ledger.free(owner, grant.pages, grant.epochs)
+        records.extend((page, epoch, owner, granted_ns, freeing_ns) for page, epoch in zip(grant.pages, grant.epochs))
+
+    num_granted = 0
+    while num_granted < num_grants:
+        if held and (len(held) == 3 or rng.random() < 0.4):
+            give_back()
+            continue
+        grant = ledger.allocate(owner, rng.randint(1, 3))
+        if grant is None:
+            num_full += 1
+            if held:
+                give_back()
+            continue
+        granted_ns = time.monotonic_ns()
+        for page in grant.pages:
+            if _stamps[page] != 0:
+                violations.append(f"{owner} got page {page} while w{_stamps[page] - 1} held it")
+            _stamps[page] = worker + 1
+        held.append((grant, granted_ns))
+        num_granted += 1
+    while held:
+        give_back()
+    return records, violations, num_full
+
+
+def test_four_processes_never_share_a_page(redis_client, ledger_prefix):
+    pool = RedisLedger.register(redis_client, "mp", "sandbox", 12, 16, prefix=ledger_prefix)
+    ctx = multiprocessing.get_context("spawn")
+    stamps = ctx.Array("i", pool.num_pages, lock=False)
+    with ctx.Pool(4, initializer=_init_worker, initargs=(stamps,)) as workers:
+        results = workers.starmap(_churn, [(URL, ledger_prefix, "mp", w, 200, w) for w in range(4)])
+    records = [r for rs, _, _ in results for r in rs]
+    assert [v for _, vs, _ in results for v in vs] == []
+    assert sum(num_full for _, _, num_full in results) > 0  # the pool was contended
+    assert len(records) >= 4 * 200
+    epochs = [epoch for _, epoch, *_ in records]
+    assert len(set(epochs)) == len(epochs)
+    by_page = defaultdict(list)
+    for page, epoch, owner, granted_ns, freeing_ns in records:
+        by_page[page].append((epoch, owner, granted_ns, freeing_ns))
+    assert len({owner for _, _, owner, _, _ in records}) == 4
+    for page, grants in by_page.items():
+        grants.sort()  # the ledger's order: epochs
+        for (e1, o1, _, freeing), (e2, o2, granted, _) in zip(grants, grants[1:]):
+            assert freeing < granted, f"page {page}: {o1}@{e1} still held when {o2}@{e2} was granted"
+    assert pool.num_free() == 12
+    pool.check_integrity()
