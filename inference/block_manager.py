@@ -127,6 +127,14 @@ class BlockManager:
                 if self.written[page] < min(ps, num_past - i * ps):
                     self._raise("unwritten_read", seq, page, num_past, self.written[page], epoch)
 
+    def read_record(self, seq: Sequence) -> dict:
+        """What `seq` read, as the mirror saw it just before its pages were freed: an audit record
+        that canaries check independently of the guard (every page its own, reads within writes)."""
+        pages = list(seq.block_table)
+        return {"request": seq.request_id, "pool": self.pool_id, "pages": pages, "epochs": list(seq.page_epochs),
+                "owners": [self.owner[p] for p in pages], "page_epochs": [self.epoch[p] for p in pages],
+                "written": [self.written[p] for p in pages], "read_len": seq.num_cached}
+
     def _raise(self, kind, seq, page, read_len, watermark, reader_epoch):
         raise OwnershipViolation(Violation(
             kind=kind, reader=seq.request_id, page=-1 if page is None else page,

@@ -256,6 +256,7 @@ class Engine:
             seq.status = SeqStatus.RUNNING
         delta = self._append_token(seq, token)
         if seq.is_done:
+            seq.read_record = self.block_manager.read_record(seq)
             self.release(seq)
             self.seqs[seq.request_id] = seq  # keep results readable until the caller drops them
         return StepEvent(seq, token, delta, seq.is_done)

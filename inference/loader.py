@@ -165,7 +165,32 @@ DEFAULT_TEMPLATE = (
 )
 
 
+def load_tokenizer(path=None) -> tuple[ChatTokenizer, str, str]:
+    """(tokenizer, model fingerprint, model name) without loading weights: for the API process."""
+    p = resolve_model_path(path)
+    name = p.name if p.is_dir() else p.name.split(".")[0]
+    if p.is_dir():
+        model = _load_hf_dir(p)
+        return model.tokenizer, model.fingerprint, name
+    entry, digest = _gguf_cache_entry(p)
+    return _cached_tokenizer(entry), digest[:16], name
+
+
+def _cached_tokenizer(entry: Path) -> ChatTokenizer:
+    meta = json.loads((entry / "meta.json").read_text())
+    return ChatTokenizer(Tokenizer.from_file(str(entry / "tokenizer.json")), meta["chat_template"],
+                         tuple(meta["eos_ids"]), meta["bos_id"], meta["add_bos"])
+
+
 def _load_gguf_cached(path: Path) -> LoadedModel:
+    entry, digest = _gguf_cache_entry(path)
+    meta = json.loads((entry / "meta.json").read_text())
+    weights = load_file(str(entry / "weights.safetensors"))
+    return LoadedModel(ModelConfig(**meta["config"]), weights, _cached_tokenizer(entry), digest[:16], str(path))
+
+
+def _gguf_cache_entry(path: Path) -> tuple[Path, str]:
+    """The cache entry holding `path` converted (converting it first if needed)."""
     digest = file_sha256([path])
     entry = cache_root() / f"{digest[:24]}-v{CACHE_FORMAT}"
     if not (entry / "meta.json").exists():
@@ -184,11 +209,7 @@ def _load_gguf_cached(path: Path) -> LoadedModel:
         except OSError:  # another process won the race: its entry is identical
             shutil.rmtree(tmp, ignore_errors=True)
         log.info("converted %s in %.1fs into %s", path, time.perf_counter() - started, entry)
-    meta = json.loads((entry / "meta.json").read_text())
-    weights = load_file(str(entry / "weights.safetensors"))
-    tokenizer = ChatTokenizer(Tokenizer.from_file(str(entry / "tokenizer.json")), meta["chat_template"],
-                              tuple(meta["eos_ids"]), meta["bos_id"], meta["add_bos"])
-    return LoadedModel(ModelConfig(**meta["config"]), weights, tokenizer, digest[:16], str(path))
+    return entry, digest
 
 
 # ---- Hugging Face directory -----------------------------------------------------------------

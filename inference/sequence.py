@@ -52,6 +52,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.text = ""  # detokenized output so far, stop strings removed
+        self.transfer_ms: float | None = None  # time to pull the handoff's KV (decode side)
+        self.read_record: dict | None = None  # set when the sequence finishes (BlockManager.read_record)
 
     @property
     def num_prompt_tokens(self) -> int:

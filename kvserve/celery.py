@@ -17,3 +17,22 @@ app = Celery("kvserve")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()  # <app>/tasks.py of every installed Django app
 app.autodiscover_tasks(["inference"])  # inference/tasks.py, when the engine provides one
+
+from celery.signals import worker_init, worker_shutdown  # noqa: E402
+
+
+@worker_init.connect
+def _engine_start(sender=None, **_):
+    import django
+
+    django.setup()
+    from kvserve.chat.runtime import worker_started
+
+    worker_started(getattr(sender, "hostname", None) or "")
+
+
+@worker_shutdown.connect
+def _engine_stop(**_):
+    from kvserve.chat.runtime import runtime_stop
+
+    runtime_stop()

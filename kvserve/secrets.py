@@ -13,7 +13,8 @@ from kvserve.paths import var_dir
 
 
 def _default_path() -> Path:
-    return var_dir() / "secrets.json"
+    """KVSERVE_SECRETS_FILE, else var/secrets.json (two stacks on one host may keep separate files)."""
+    return Path(os.environ["KVSERVE_SECRETS_FILE"]) if os.environ.get("KVSERVE_SECRETS_FILE") else var_dir() / "secrets.json"
 
 
 def _read(path: Path) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""Django-side access to the worker registry: builds inference.registry.Registry from settings."""
+"""Django-side access to Redis-backed engine state: the worker registry and output streams, built from settings."""
 from functools import lru_cache
 
 import redis
@@ -8,14 +8,24 @@ from inference.registry import Registry
 
 
 @lru_cache(maxsize=8)
-def _client(url: str) -> redis.Redis:
-    return redis.Redis.from_url(url)
+def redis_client(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url, health_check_interval=30)
+
+
+def redis_get() -> redis.Redis:
+    return redis_client(settings.REDIS_URL)
+
+
+def outputs_get():
+    from inference.streams import OutputStream
+
+    return OutputStream(redis_get(), prefix=settings.KVSERVE_LEDGER_PREFIX)
 
 
 def registry_get() -> Registry:
     """The registry at settings.REDIS_URL under settings.KVSERVE_LEDGER_PREFIX (read per call: tests override)."""
     return Registry(
-        _client(settings.REDIS_URL),
+        redis_client(settings.REDIS_URL),
         prefix=settings.KVSERVE_LEDGER_PREFIX,
         ttl_s=settings.KVSERVE_REGISTRY_TTL_S,
     )

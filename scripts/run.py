@@ -20,7 +20,7 @@ def manage(*args) -> str:
 def processes(port: int) -> dict[str, list[str]]:
     celery = [PY, "-m", "celery", "-A", "kvserve"]
     return {
-        "prefill": celery + ["worker", "-Q", "prefill", "-n", "prefill@%h", "--loglevel", "INFO"],
+        "prefill": celery + ["worker", "-Q", "prefill,maintenance", "-n", "prefill@%h", "--loglevel", "INFO"],
         "decode": celery + ["worker", "-Q", "decode", "-n", "decode@%h", "--loglevel", "INFO"],
         "beat": celery + ["beat", "--loglevel", "INFO"],
         "web": [PY, "-m", "uvicorn", "kvserve.asgi:application", "--host", "127.0.0.1", "--port", str(port),

@@ -14,6 +14,7 @@ INSTALLED_APPS = [
     "drf_spectacular_sidecar",
     "django_celery_beat",
     "kvserve.tenants",
+    "kvserve.chat",
     "incidents",
 ]
 

@@ -1,23 +1,31 @@
 """Celery (namespace CELERY_): Redis broker, prefill/decode queues, late acks, beat from the database."""
 from kombu import Queue
 
-from kvserve.settings.env import env_int
+from kvserve.settings.env import env_int, env_str
 from kvserve.settings.redis import REDIS_URL
 
 CELERY_BROKER_URL = REDIS_URL
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 # A task not acked within this many seconds is redelivered: keep it above the longest task.
-CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": env_int("KVSERVE_VISIBILITY_TIMEOUT_S", 3600)}
+CELERY_BROKER_TRANSPORT_OPTIONS = {
+    "visibility_timeout": env_int("KVSERVE_VISIBILITY_TIMEOUT_S", 3600),
+    # lets two stacks (or a test run) share one Redis database without sharing queues
+    "global_keyprefix": env_str("KVSERVE_BROKER_PREFIX", ""),
+}
 CELERY_TASK_IGNORE_RESULT = True  # results live in ChatRequest rows and the SSE stream
 CELERY_TASK_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]  # never pickle
 
-CELERY_TASK_QUEUES = (Queue("prefill"), Queue("decode"))
-CELERY_TASK_DEFAULT_QUEUE = "prefill"
+CELERY_TASK_QUEUES = (Queue("prefill"), Queue("decode"), Queue("maintenance"))
+CELERY_TASK_DEFAULT_QUEUE = "maintenance"
 CELERY_TASK_ROUTES = {
     "inference.prefill*": {"queue": "prefill"},
     "inference.decode*": {"queue": "decode"},
+    "kvserve.*": {"queue": "maintenance"},  # reaper, canaries: consumed by the prefill worker in `make run`
 }
+# One engine per process; its requests arrive on threads and share the engine's continuous batch.
+CELERY_WORKER_POOL = "threads"
+CELERY_WORKER_CONCURRENCY = env_int("KVSERVE_WORKER_CONCURRENCY", 64)
 
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True

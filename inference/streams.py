@@ -1,0 +1,88 @@
+"""Per-request output events on a Redis stream: decode appends deltas and one final event; the API
+reads them (blocking) for SSE and for non-streamed answers. No subscribe/publish race: a reader that
+arrives late still sees every event from the start."""
+import json
+
+
+class OutputStream:
+    def __init__(self, redis, prefix: str = "kvs", ttl_s: int = 3600):
+        self.redis = redis
+        self.prefix = prefix
+        self.ttl_s = ttl_s
+
+    def key(self, request_id: str) -> str:
+        return f"{self.prefix}:out:{request_id}"
+
+    def publish_many(self, events: list[tuple[str, dict]]) -> None:
+        """[(request_id, event)] in one round trip. Event types: delta, done, error."""
+        if not events:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for request_id, event in events:
+            pipe.xadd(self.key(request_id), {"e": json.dumps(event)}, maxlen=100_000, approximate=True)
+            pipe.expire(self.key(request_id), self.ttl_s)
+        pipe.execute()
+
+    def reads_key(self) -> str:
+        return f"{self.prefix}:reads"
+
+    def record_read(self, record: dict) -> None:
+        """Appends a finished request's read record (BlockManager.read_record) to the audit stream."""
+        self.redis.xadd(self.reads_key(), {"r": json.dumps(record)}, maxlen=50_000, approximate=True)
+
+    def read_records(self, request_ids=None, count: int = 50_000) -> list[dict]:
+        records = [json.loads(f[b"r"] if b"r" in f else f["r"]) for _, f in self.redis.xrevrange(self.reads_key(), count=count)]
+        return [r for r in records if request_ids is None or r["request"] in request_ids]
+
+    def publish(self, request_id: str, event: dict) -> None:
+        self.publish_many([(request_id, event)])
+
+    def read(self, request_id: str, timeout_s: float, last_id: str = "0-0"):
+        """Yields events until a final one (done/error); raises TimeoutError when none comes in time."""
+        key = self.key(request_id)
+        while True:
+            reply = self.redis.xread({key: last_id}, block=int(timeout_s * 1000), count=256)
+            if not reply:
+                raise TimeoutError(f"no output for {request_id} within {timeout_s}s")
+            for entry_id, fields in reply[0][1]:
+                last_id = entry_id
+                event = json.loads(fields[b"e"] if b"e" in fields else fields["e"])
+                yield event
+                if event["type"] in ("done", "error"):
+                    return
+
+
+class AsyncOutputStream:
+    """The reading side of OutputStream for asyncio servers (a `redis.asyncio` client): the same keys and
+    events, read without holding a thread while waiting."""
+
+    key = OutputStream.key
+
+    def __init__(self, redis, prefix: str = "kvs"):
+        self.redis = redis
+        self.prefix = prefix
+
+    async def exists(self, request_id: str) -> bool:
+        return bool(await self.redis.exists(self.key(request_id)))
+
+    async def read(self, request_id: str, timeout_s: float, last_id: str = "0-0", idle_s: float | None = None):
+        """Yields events until a final one (done/error), and None after each `idle_s` of silence (for
+        keep-alives); raises TimeoutError after `timeout_s` without an event."""
+        key = self.key(request_id)
+        silent = 0.0
+        while True:
+            wait = timeout_s - silent if idle_s is None else min(idle_s, timeout_s - silent)
+            reply = await self.redis.xread({key: last_id}, block=max(1, int(wait * 1000)), count=256)
+            if not reply:
+                silent += wait
+                if silent >= timeout_s:
+                    raise TimeoutError(f"no output for {request_id} within {timeout_s}s")
+                yield None
+                continue
+            silent = 0.0
+            for entry_id, fields in reply[0][1]:
+                last_id = entry_id
+                event = json.loads(fields[b"e"] if b"e" in fields else fields["e"])
+                yield event
+                if event["type"] in ("done", "error"):
+                    return

@@ -1,0 +1,136 @@
+"""A real kvserve stack for end-to-end tests: Celery prefill and decode worker processes, the ASGI
+web server under uvicorn, a migrated SQLite file, all on this test's own Redis key prefixes."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import redis
+
+from inference.registry import Registry
+
+ROOT = Path(__file__).resolve().parents[2]
+TEST_REDIS_URL = os.environ.get("KVSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Stack:
+    def __init__(self, workdir: Path, **env):
+        self.workdir = Path(workdir)
+        self.prefix = f"kvstest-e2e-{uuid.uuid4().hex[:8]}"
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.redis = redis.Redis.from_url(TEST_REDIS_URL)
+        self.env = {
+            **os.environ,
+            "REDIS_URL": TEST_REDIS_URL,
+            "KVSERVE_LEDGER_PREFIX": self.prefix,
+            "KVSERVE_BROKER_PREFIX": f"{self.prefix}:broker:",
+            "DATABASE_URL": f"sqlite:///{self.workdir / 'db.sqlite3'}",
+            "KVSERVE_SECRETS_FILE": str(self.workdir / "secrets.json"),
+            "KVSERVE_NUM_PAGES": "600",
+            "KVSERVE_WINDOW": "8192",
+            "KVSERVE_LEASE_TTL_S": "4",
+            "KVSERVE_REGISTRY_TTL_S": "3",
+            "KVSERVE_WORKER_CONCURRENCY": "32",
+            "KVSERVE_THROTTLE_RATE": "100000/min",
+            "PYTHONUNBUFFERED": "1",
+            **env,
+        }
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.logs = self.workdir / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+
+    def manage(self, *args) -> str:
+        out = subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=self.env, capture_output=True,
+                             text=True, timeout=300)
+        if out.returncode:
+            raise RuntimeError(f"manage.py {' '.join(args)} failed: {out.stderr[-3000:]}")
+        return out.stdout
+
+    def spawn(self, name: str, cmd: list[str], **env) -> subprocess.Popen:
+        log = open(self.logs / f"{name}.log", "ab")
+        proc = subprocess.Popen(cmd, cwd=ROOT, env={**self.env, **env}, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        self.procs[name] = proc
+        return proc
+
+    def start_worker(self, role: str, name: str | None = None, queues: str | None = None, **env) -> subprocess.Popen:
+        name = name or role
+        return self.spawn(name, [sys.executable, "-m", "celery", "-A", "kvserve", "worker", "-Q", queues or role,
+                                 "-n", f"{name}-{self.prefix}@%h", "--loglevel", "INFO", "--without-mingle",
+                                 "--without-gossip"], **env)
+
+    def start_web(self) -> None:
+        self.spawn("web", [sys.executable, "-m", "uvicorn", "kvserve.asgi:application", "--host", "127.0.0.1",
+                           "--port", str(self.port), "--log-level", "warning"])
+
+    def start(self) -> "Stack":
+        self.manage("migrate", "--noinput")
+        creds = json.loads(self.manage("bootstrap_demo").strip().splitlines()[-1])
+        self.api_key, self.admin_password = creds["api_key"], creds["admin_password"]
+        self.start_worker("prefill", queues="prefill,maintenance")
+        self.start_worker("decode")
+        self.start_web()
+        self.wait_healthy()
+        return self
+
+    def registry(self) -> Registry:
+        return Registry(self.redis, prefix=self.prefix, ttl_s=3)
+
+    def wait_healthy(self, timeout_s: float = 120) -> dict:
+        deadline = time.monotonic() + timeout_s
+        last = None
+        while time.monotonic() < deadline:
+            for name, p in self.procs.items():
+                if p.poll() is not None and name in ("web",):
+                    raise RuntimeError(f"{name} exited: {self.tail(name)}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/healthz", timeout=2) as r:
+                    return json.loads(r.read())
+            except Exception as exc:
+                last = exc
+            time.sleep(0.3)
+        raise TimeoutError(f"stack not healthy: {last}; logs: {self.tail('prefill')} {self.tail('decode')}")
+
+    def wait_workers(self, role: str, count: int, timeout_s: float = 60) -> list:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            live = self.registry().live_workers(role)
+            if len(live) >= count:
+                return live
+            time.sleep(0.2)
+        raise TimeoutError(f"{count} {role} workers did not register")
+
+    def tail(self, name: str, n: int = 4000) -> str:
+        path = self.logs / f"{name}.log"
+        return path.read_text(errors="replace")[-n:] if path.exists() else ""
+
+    def stop(self, name: str, sig=signal.SIGTERM, timeout_s: float = 20) -> None:
+        p = self.procs.pop(name, None)
+        if p is None or p.poll() is not None:
+            return
+        os.killpg(p.pid, sig)
+        try:
+            p.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+    def close(self) -> None:
+        for name in list(self.procs):
+            self.stop(name)
+        keys = list(self.redis.scan_iter(match=f"{self.prefix}*", count=1000))
+        for i in range(0, len(keys), 500):
+            self.redis.delete(*keys[i:i + 500])
