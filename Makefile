@@ -25,7 +25,7 @@ run: install redis
 	$(PY) scripts/run.py
 
 test: install redis
-	$(PY) -m pytest
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest
 
 bench: install redis
 	$(PY) -m bench.all

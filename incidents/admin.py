@@ -4,6 +4,10 @@ from django.contrib import admin, messages
 from incidents.models import CanaryRun, Incident, WorkerRelease
 from incidents.services import incident_acknowledge, incident_resolve, worker_release
 
+# The admin index links the operator pages (dashboard, Workers, metrics): templates/admin/kvserve_index.html.
+admin.site.index_template = "admin/kvserve_index.html"
+admin.site.site_header = admin.site.site_title = "kvserve administration"
+
 
 @admin.register(Incident)
 class IncidentAdmin(admin.ModelAdmin):

@@ -28,6 +28,8 @@ class DecodeGroup:
     rows: torch.Tensor  # [B] rows holding one decode token each
     tables: torch.Tensor  # [B, P] page ids, padded with the null page
     mask: torch.Tensor  # [B, 1, 1, P * page_size] True where a key is valid
+    bias: torch.Tensor | None = None  # the same mask as an additive float mask (0 / -inf), built once per
+    # step: SDPA would otherwise convert the bool mask again in every layer
 
 
 @dataclass
@@ -43,6 +45,8 @@ def _grouped_sdpa(q, keys, values, mask=None, causal=False):
     query axis, so grouped-query attention needs no repeated K/V."""
     b, h, nq, d = q.shape
     groups = h // keys.shape[1]
+    if causal and nq == keys.shape[2]:  # a fresh prompt: the fused causal kernel, no explicit mask
+        return F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=groups > 1)
     if groups == 1:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal)
     if causal:
@@ -54,10 +58,14 @@ def _grouped_sdpa(q, keys, values, mask=None, causal=False):
 
 
 def _gather(kv, layer, tables, which):
-    """tables [..., P] -> [..., KVH, P * page_size, D] (a copy of exactly those pages)."""
-    pages = kv.data[:, layer, which][tables]  # [..., P, ps, KVH, D], contiguous
-    shape = pages.shape
-    flat = pages.view(*shape[:-4], shape[-4] * shape[-3], shape[-2], shape[-1])
+    """tables [..., P] -> [..., KVH, P * page_size, D] (a copy of exactly those pages).
+
+    index_select copies each page's [ps, KVH, D] block (contiguous in the pool) as one slice;
+    advanced indexing (`src[tables]`) computed an offset per element and was ~2.5x slower."""
+    src = kv.data[:, layer, which]  # [pages, ps, KVH, D]
+    pages = src.index_select(0, tables.reshape(-1))  # [n, ps, KVH, D], contiguous
+    ps, kvh, d = src.shape[1:]
+    flat = pages.view(*tables.shape[:-1], tables.shape[-1] * ps, kvh, d)
     return flat.transpose(-3, -2)
 
 
@@ -68,7 +76,8 @@ def sdpa_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv, 
     for g in batch.decodes:
         keys = _gather(kv, layer, g.tables, 0)
         values = _gather(kv, layer, g.tables, 1)
-        out[g.rows] = _grouped_sdpa(q[g.rows].unsqueeze(2), keys, values, g.mask).squeeze(2)
+        mask = g.mask if g.bias is None else g.bias
+        out[g.rows] = _grouped_sdpa(q[g.rows].unsqueeze(2), keys, values, mask).squeeze(2)
     for s in batch.prefills:
         rows = slice(s.row_start, s.row_start + s.num_rows)
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]

@@ -235,15 +235,16 @@ class Engine:
         batch = AttentionBatch(torch.tensor(pages, device=device), torch.tensor(offsets, device=device),
                                prefills=prefills)
         order = sorted(range(len(decode_rows)), key=lambda i: decode_lens[i])
-        group_size = max(8, -(-len(order) // 4))  # a few length buckets: less padding, few calls
+        group_size = max(4, -(-len(order) // 8))  # up to 8 length buckets: little padding to gather, few calls
         for at in range(0, len(order), group_size):
             members = order[at : at + group_size]
             width = max(len(decode_tables[i]) for i in members)
             padded = [decode_tables[i] + [self.pool.null_page] * (width - len(decode_tables[i])) for i in members]
             lens = torch.tensor([decode_lens[i] for i in members], device=device)
             mask = (torch.arange(width * ps, device=device)[None, :] < lens[:, None])[:, None, None, :]
+            bias = torch.zeros(mask.shape, dtype=self.pool.data.dtype, device=device).masked_fill_(~mask, float("-inf"))
             batch.decodes.append(DecodeGroup(torch.tensor([decode_rows[i] for i in members], device=device),
-                                             torch.tensor(padded, device=device), mask))
+                                             torch.tensor(padded, device=device), mask, bias))
         return torch.tensor(ids, device=device), torch.tensor(pos, device=device), batch, sample_rows
 
     def _on_token(self, seq: Sequence, token: int) -> StepEvent:

@@ -61,9 +61,8 @@ class Llama:
         self.cos = angles.cos().to(device=self.device, dtype=dtype)
         self.sin = angles.sin().to(device=self.device, dtype=dtype)
 
-    def _rms(self, x, weight):
-        var = x.pow(2).mean(-1, keepdim=True)
-        return x * torch.rsqrt(var + self.config.rms_eps) * weight
+    def _rms(self, x, weight):  # fused; same math as x * rsqrt(mean(x^2) + eps) * weight
+        return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_eps)
 
     def _rope(self, x, cos, sin):  # x: [T, heads, head_dim]; rotate-half form on un-permuted weights
         half = x.shape[-1] // 2
@@ -82,8 +81,9 @@ class Llama:
         for layer_idx, layer in enumerate(self.layers):
             h = self._rms(x, layer["attn_norm"])
             qkv = F.linear(h, layer["qkv"])
-            q = self._rope(qkv[:, :num_q].view(-1, c.num_heads, c.head_dim), cos, sin)
-            k = self._rope(qkv[:, num_q : num_q + num_kv].view(-1, c.num_kv_heads, c.head_dim), cos, sin)
+            # q and k are adjacent in the fused projection: one RoPE call rotates both
+            qk = self._rope(qkv[:, : num_q + num_kv].view(-1, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
+            q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
             v = qkv[:, num_q + num_kv :].view(-1, c.num_kv_heads, c.head_dim)
             kv.write(layer_idx, batch.slot_pages, batch.slot_offsets, k, v)
             attn = self._attend(q, k, v, kv, layer_idx, batch)

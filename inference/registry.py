@@ -153,6 +153,12 @@ class Registry:
             return None
         return min(w.serving_limit for w in workers)
 
+    def served_window(self) -> int | None:
+        """The window the deployment serves: the smallest window a live prefill or decode worker
+        reports (workers clamp or refuse at start, so this is never more than their pools)."""
+        windows = [w.window for w in self.live_workers() if w.role in SERVING_ROLES]
+        return min(windows) if windows else None
+
     # --- quarantine -----------------------------------------------------------------------
 
     def quarantine(self, worker_id: str, reason: str) -> None:

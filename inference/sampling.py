@@ -15,7 +15,7 @@ def sample(logits: torch.Tensor, params_list, steps: list[int]) -> list[int]:
     for i, params in enumerate(params_list):
         if params.is_greedy:
             continue
-        row = logits[i] / params.temperature
+        row = logits[i].double() / params.temperature  # float64: tiny temperatures must not overflow to inf
         if params.top_k:
             kth = torch.topk(row, min(params.top_k, row.shape[-1])).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
@@ -23,6 +23,7 @@ def sample(logits: torch.Tensor, params_list, steps: list[int]) -> list[int]:
         if params.top_p < 1.0:
             sorted_p, order = probs.sort(descending=True)
             keep = sorted_p.cumsum(0) - sorted_p < params.top_p
+            keep[0] = True  # the most likely token always survives, whatever top_p underflows to
             probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
         out[i] = int(torch.multinomial(probs, 1, generator=_generator(params.seed, steps[i])).item())
     return out

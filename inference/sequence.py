@@ -24,7 +24,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < 1e-5 or self.top_k == 1  # below 1e-5 sampling is argmax anyway
 
 
 class SeqStatus(enum.Enum):

@@ -2,6 +2,7 @@
 reads them (blocking) for SSE and for non-streamed answers. No subscribe/publish race: a reader that
 arrives late still sees every event from the start."""
 import json
+import time
 
 
 class OutputStream:
@@ -40,10 +41,15 @@ class OutputStream:
     def read(self, request_id: str, timeout_s: float, last_id: str = "0-0"):
         """Yields events until a final one (done/error); raises TimeoutError when none comes in time."""
         key = self.key(request_id)
+        deadline = time.monotonic() + timeout_s
         while True:
-            reply = self.redis.xread({key: last_id}, block=int(timeout_s * 1000), count=256)
-            if not reply:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise TimeoutError(f"no output for {request_id} within {timeout_s}s")
+            # short blocking reads: a client's socket timeout (redis-py's default is 5 s) never trips
+            reply = self.redis.xread({key: last_id}, block=max(1, int(min(left, 2.0) * 1000)), count=256)
+            if not reply:
+                continue
             for entry_id, fields in reply[0][1]:
                 last_id = entry_id
                 event = json.loads(fields[b"e"] if b"e" in fields else fields["e"])

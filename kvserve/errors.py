@@ -30,12 +30,17 @@ def _first_validation_error(detail, path=()):
     """(param, message, code) of the first leaf in a DRF ValidationError detail."""
     if isinstance(detail, dict):
         for key, value in detail.items():
-            param = path if key == "non_field_errors" else (*path, str(key))
-            return _first_validation_error(value, param)
+            if value:  # a list serializer reports valid items as {}: skip to the first with errors
+                param = path if key == "non_field_errors" else (*path, str(key))
+                return _first_validation_error(value, param)
     if isinstance(detail, list) and detail:
-        if isinstance(detail[0], (dict, list)):
-            return _first_validation_error(detail[0], (*path, "0") if isinstance(detail[0], dict) else path)
-        return ".".join(path) or None, str(detail[0]), getattr(detail[0], "code", None)
+        for index, item in enumerate(detail):
+            if isinstance(item, dict) and item:
+                return _first_validation_error(item, (*path, str(index)))
+            if isinstance(item, list) and item:
+                return _first_validation_error(item, path)
+            if not isinstance(item, (dict, list)):
+                return ".".join(path) or None, str(item), getattr(item, "code", None)
     return ".".join(path) or None, str(detail), getattr(detail, "code", None)
 
 

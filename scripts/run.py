@@ -47,7 +47,7 @@ def main() -> int:
     port = int(os.environ.get("KVSERVE_PORT", 8000))
     print("migrating ...", flush=True)
     manage("migrate", "--noinput")
-    manage("setup_schedules") if "setup_schedules" in manage("help", "--commands") else None
+    manage("setup_schedules")
     creds = json.loads(manage("bootstrap_demo").strip().splitlines()[-1])
     logs = ROOT / "var" / "logs"
     logs.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ from inference.handoff import HandoffRefused, Verdict
 from inference.ledger import RedisLedger, ledger_key
 from inference.sequence import SamplingParams, SeqStatus
 from incidents.services import incident_record
+from kvserve.chat.metrics import admission_rejection_count_incr
 from kvserve.chat.models import ChatRequest
 from kvserve.errors import ApiError
 from kvserve.workers import outputs_get, redis_get, registry_get
@@ -48,10 +49,12 @@ def chat_request_create(*, api_key, messages: list[dict], max_tokens: int, param
     prompt_ids = tokenizer.encode(prompt)
     limit = registry_get().effective_limit()
     if limit is None:
+        admission_rejection_count_incr("no_workers")
         raise ApiError("no live prefill and decode workers are registered; try again shortly",
                        status_code=503, type="service_unavailable", code="no_workers")
     total = len(prompt_ids) + max_tokens
     if total > limit:
+        admission_rejection_count_incr()
         raise ApiError(
             f"This model's maximum context length is {limit} tokens. However, you requested {total} tokens "
             f"({len(prompt_ids)} in the messages, {max_tokens} in the completion). Please reduce the length "
@@ -68,7 +71,14 @@ def chat_request_create(*, api_key, messages: list[dict], max_tokens: int, param
     )
     from kvserve.chat.tasks import prefill
 
-    transaction.on_commit(lambda: prefill.delay(req.id, prompt_ids))
+    def enqueue():
+        try:
+            prefill.delay(req.id, prompt_ids)
+        except Exception:  # broker down: the row must not sit queued forever
+            chat_request_fail(req, code="backend_unavailable", message="the task queue is unreachable")
+            raise
+
+    transaction.on_commit(enqueue)
     return req, prompt_ids
 
 

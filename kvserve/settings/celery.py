@@ -36,3 +36,7 @@ KVSERVE_TASK_MAX_DELIVERIES = env_int("KVSERVE_TASK_MAX_DELIVERIES", 3)
 
 CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
 CELERY_TIMEZONE = "UTC"
+# Canaries (`manage.py setup_schedules` creates the schedule; incidents/canary/): how long the marker test
+# waits for its traffic, and how long the scheduled run's lock keeps a second run from overlapping it.
+KVSERVE_CANARY_TIMEOUT_S = env_int("KVSERVE_CANARY_TIMEOUT_S", 300)
+KVSERVE_CANARY_LOCK_S = env_int("KVSERVE_CANARY_LOCK_S", 1800)

@@ -8,12 +8,12 @@ from inference.registry import Registry
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("registry_settings")]
 
 
-def test_no_workers_is_503(client, settings):
+def test_no_workers_is_503(client):
     response = client.get("/healthz")
     assert response.status_code == 503
     body = response.json()
     assert body["workers"] == [] and body["effective_context_limit"] is None
-    assert body["window"] == settings.KVSERVE_WINDOW
+    assert body["window"] is None  # derived from live workers only, never from a second config
     assert "prefill" in body["error"] and "decode" in body["error"]
 
 
@@ -24,6 +24,7 @@ def test_prefill_and_decode_live_is_200_with_min_limit(client, registry, make_wo
     assert response.status_code == 200, response.json()
     body = response.json()
     assert body["effective_context_limit"] == 5000 and "error" not in body
+    assert body["window"] == 8192
     assert {w["worker_id"] for w in body["workers"]} == {"p1", "d1"}
     assert {"capacity_tokens", "window", "faults", "quarantined"} <= set(body["workers"][0])
 
@@ -65,3 +66,10 @@ def test_unreachable_redis_is_503_not_500(client, settings):
     response = client.get("/healthz")
     assert response.status_code == 503
     assert "unreachable" in response.json()["error"]
+
+
+def test_served_window_is_the_smallest_live_window(client, registry, make_worker):
+    registry.register(make_worker("prefill", worker_id="p1", window=8192, capacity_tokens=16384))
+    registry.register(make_worker("decode", worker_id="d1", window=4096, capacity_tokens=4096))
+    body = client.get("/healthz").json()
+    assert (body["window"], body["effective_context_limit"]) == (4096, 4096)

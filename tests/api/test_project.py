@@ -32,7 +32,9 @@ def test_celery_routes_and_delivery_settings():
     route = celery_app.amqp.router.route
     assert route({}, "inference.prefill_request")["queue"].name == "prefill"
     assert route({}, "inference.decode_request")["queue"].name == "decode"
-    assert {q.name for q in conf.task_queues} == {"prefill", "decode"}
+    assert route({}, "kvserve.reap")["queue"].name == "maintenance"
+    assert {q.name for q in conf.task_queues} == {"prefill", "decode", "maintenance"}
+    assert conf.worker_pool == "threads"
     assert conf.task_acks_late and conf.task_reject_on_worker_lost
     assert conf.worker_prefetch_multiplier == 1
     assert conf.accept_content == ["json"]

@@ -59,6 +59,11 @@ class Stack:
             raise RuntimeError(f"manage.py {' '.join(args)} failed: {out.stderr[-3000:]}")
         return out.stdout
 
+    def manage_status(self, *args, timeout_s: float = 600) -> subprocess.CompletedProcess:
+        """manage.py with its exit status (returncode, stdout, stderr), for commands whose failure is the answer."""
+        return subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=self.env, capture_output=True,
+                              text=True, timeout=timeout_s)
+
     def spawn(self, name: str, cmd: list[str], **env) -> subprocess.Popen:
         log = open(self.logs / f"{name}.log", "ab")
         proc = subprocess.Popen(cmd, cwd=ROOT, env={**self.env, **env}, stdout=log, stderr=subprocess.STDOUT,

@@ -1,8 +1,6 @@
 """Real Celery worker processes: killed mid-generation, fed bad handoffs, misconfigured pools."""
 import json
 import signal
-import subprocess
-import sys
 import time
 
 from inference.ledger import RedisLedger

@@ -20,6 +20,7 @@ def test_chunked_prefill_gives_the_same_tokens_as_one_chunk(tiny_model):
     assert chunked.output_ids == whole.output_ids and len(whole.output_ids) == 12
 
 
+@pytest.mark.timeout(600)
 def test_eight_mixed_prompts_with_mid_flight_joins_match_each_alone(real_model):
     chats = ["What is the capital of France?", "Name three colors.", "Say hello in Spanish.",
              "What is 2 plus 2?", "Write a haiku about the sea, please, with a long preamble about waves and wind.",
@@ -149,3 +150,14 @@ def test_with_the_guard_faulted_off_the_foreign_read_goes_through(tiny_model):
     a.block_table[0] = b.block_table[0]
     engine.step()
     assert a.status is SeqStatus.RUNNING and not engine.quarantined
+
+
+def test_degenerate_sampling_parameters_still_pick_a_token(tiny_model):
+    """top_p that underflows to nothing and tiny temperatures must not fail the batch."""
+    engine = make_engine(tiny_model)
+    prompt = list(range(10, 30))
+    (greedy_seq,) = engine.generate([prompt], greedy(6))
+    (tiny_p,) = engine.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True, temperature=2.0,
+                                                         top_p=5e-324, seed=1))
+    (cold,) = engine.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True, temperature=1e-6, seed=1))
+    assert tiny_p.output_ids == greedy_seq.output_ids == cold.output_ids

@@ -7,8 +7,7 @@ import pytest
 
 from inference.engine import EngineConfig
 from inference.handoff import HandoffRefused, Verdict
-from inference.ledger import RedisLedger
-from inference.sequence import SamplingParams, SeqStatus
+from inference.sequence import SeqStatus
 from inference.worker import RuntimeOptions, WindowTooLarge, WorkerRuntime, check_window
 from tests.inference.helpers import greedy, make_engine
 

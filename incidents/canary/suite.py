@@ -1,0 +1,105 @@
+"""The canary suite: runs the checks, stores one CanaryRun, and turns every failed check into incidents
+(a critical one on a live worker quarantines it, through incident_record). `manage.py canary` and the
+scheduled task `kvserve.canary` both call `canary_run`."""
+import logging
+import time
+import uuid
+
+from django.utils import timezone
+
+from incidents.canary.handoff_contract import check_handoff_contract
+from incidents.canary.integrity import check_integrity, check_worker_config
+from incidents.canary.marker import check_marker
+from incidents.canary.reproduction import check_reproduction
+from incidents.canary.result import CheckResult, IncidentSpec
+from incidents.canary.selftest import check_selftest
+from incidents.models import CanaryRun, Incident
+from incidents.services import incident_record
+from kvserve.workers import registry_get
+
+log = logging.getLogger(__name__)
+
+# run in this order: the traffic-free checks first, the marker's traffic before integrity looks at the books
+CHECKS = {
+    "worker_config": check_worker_config,
+    "handoff_contract": check_handoff_contract,
+    "reproduction": check_reproduction,
+    "marker": check_marker,
+    "integrity": check_integrity,
+    "selftest": check_selftest,
+}
+
+
+def select_checks(only=None, skip=None) -> list[str]:
+    names = list(only) if only else list(CHECKS)
+    unknown = sorted((set(names) | set(skip or ())) - set(CHECKS))
+    if unknown:
+        raise ValueError(f"unknown canary checks {unknown}; known: {list(CHECKS)}")
+    return [n for n in CHECKS if n in names and n not in set(skip or ())]
+
+
+def _run_check(name: str, fn) -> CheckResult:
+    started = time.perf_counter()
+    try:
+        result = fn()
+    except Exception as exc:  # a check that cannot run has not passed
+        log.exception("canary check %s raised", name)
+        result = CheckResult(name, False, details={"reason": f"the check raised {type(exc).__name__}: {exc}"},
+                             incidents=[IncidentSpec(kind="canary_leak", severity="warning", details={
+                                 "reason": f"vacuous: check {name} raised {type(exc).__name__}: {exc}"})])
+    result.name = name
+    result.duration_s = time.perf_counter() - started
+    return result
+
+
+def _open_duplicate(spec: IncidentSpec, detected_by: str) -> Incident | None:
+    """An incident this one would repeat: a condition that persists (a broken worker that stays quarantined,
+    a canary that still cannot see) would otherwise collect one incident per run, every 5 minutes."""
+    same = Incident.objects.filter(kind=spec.kind, severity=spec.severity, worker=spec.worker, detected_by=detected_by,
+                                   resolved_at__isnull=True)
+    if spec.severity == "critical":
+        # still quarantined: nobody released it; once released, a new failure is a new incident (and quarantine)
+        return same.first() if spec.worker and registry_get().is_quarantined(spec.worker) else None
+    return same.filter(acknowledged_at__isnull=True).first()
+
+
+def _record(result: CheckResult, run: CanaryRun) -> list[int]:
+    """Records the failed check's incidents (or names the open ones they repeat); their ids."""
+    ids = []
+    detected_by = f"canary {result.name}"
+    for spec in result.incidents:
+        duplicate = _open_duplicate(spec, detected_by)
+        if duplicate is not None:
+            ids.append(duplicate.pk)
+            continue
+        incident = incident_record(
+            kind=spec.kind, severity=spec.severity, pool=spec.pool[:64], worker=spec.worker[:200], pages=spec.pages,
+            reader_request=spec.reader_request[:100], previous_owner_request=spec.previous_owner_request[:100],
+            epochs=spec.epochs, detected_by=detected_by,
+            details={**spec.details, "canary_run": run.pk, "check": result.name})
+        ids.append(incident.pk)
+    return ids
+
+
+def canary_run(only=None, skip=None, checks: dict | None = None) -> CanaryRun:
+    """Runs the selected checks now; returns the stored CanaryRun (passed only if every check passed)."""
+    table = CHECKS if checks is None else checks  # `checks`: tests and callers with their own table
+    names = select_checks(only, skip) if checks is None else list(checks)
+    run = CanaryRun.objects.create(started_at=timezone.now(), passed=False, checks=[])
+    tag = uuid.uuid4().hex[:8]
+    log.info("canary run #%s (%s) starting: %s", run.pk, tag, names)
+    results = []
+    for name in names:
+        result = _run_check(name, table[name])
+        if not result.passed:
+            result.details["incidents"] = _record(result, run)
+        results.append(result)
+        run.checks = [r.to_dict() for r in results]
+        run.save(update_fields=["checks"])  # progress is visible while the run goes on
+        log.log(logging.INFO if result.passed else logging.ERROR, "canary check %s %s in %.1fs%s", name,
+                "passed" if result.passed else "FAILED", result.duration_s,
+                "" if result.passed else f": {result.details.get('reason') or result.details.get('problems')}")
+    run.passed = bool(results) and all(r.passed for r in results)
+    run.finished_at = timezone.now()
+    run.save(update_fields=["passed", "finished_at"])
+    return run

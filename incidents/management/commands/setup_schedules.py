@@ -1,0 +1,29 @@
+"""`manage.py setup_schedules`: the periodic tasks celery beat runs (django-celery-beat's DatabaseScheduler),
+created once: the canary every 5 minutes, the reaper every 30 seconds. Existing entries are left as an admin
+edited them (interval, enabled); only a wrong task name is corrected. Edit them under Admin > Periodic tasks."""
+from django.core.management.base import BaseCommand
+from django_celery_beat.models import IntervalSchedule, PeriodicTask
+
+SCHEDULES = (
+    # name, task, every, period, expire_seconds, description
+    ("kvserve canary", "kvserve.canary", 5, IntervalSchedule.MINUTES, 300,
+     "Canary suite: marker traffic, reproduction, handoff contract, integrity, worker config, self-test."),
+    ("kvserve reaper", "kvserve.reap", 30, IntervalSchedule.SECONDS, 30,
+     "Fail requests of dead workers, reclaim expired page leases, retire dead pools."),
+)
+
+
+class Command(BaseCommand):
+    help = "Create the canary and reaper schedules for celery beat (idempotent)."
+
+    def handle(self, *args, **options):
+        for name, task, every, period, expire_s, description in SCHEDULES:
+            interval, _ = IntervalSchedule.objects.get_or_create(every=every, period=period)
+            entry, created = PeriodicTask.objects.get_or_create(name=name, defaults={
+                "task": task, "interval": interval, "expire_seconds": expire_s, "description": description})
+            if not created and entry.task != task:
+                entry.task = task
+                entry.save(update_fields=["task"])
+            state = "created" if created else "exists"
+            self.stdout.write(f"{name}: {entry.task}, {entry.interval or entry.crontab} "
+                              f"({'enabled' if entry.enabled else 'disabled'}, {state})")

@@ -1,0 +1,46 @@
+"""Reads for the dashboard and /api/pools/: latest canary run, open incidents, and the whole overview."""
+import time
+
+import redis
+from django.urls import reverse
+
+from incidents.models import CanaryRun, Incident
+from incidents.pools import pool_state_list
+from kvserve.workers import registry_get
+
+
+def canary_latest_get() -> dict | None:
+    run = CanaryRun.objects.first()  # ordered newest first
+    if run is None:
+        return None
+    checks = [{"name": str(c.get("name", "?")), "passed": bool(c.get("passed")), "duration_s": c.get("duration_s"),
+               "details": c.get("details", {})} for c in (run.checks or []) if isinstance(c, dict)]
+    return {"id": run.pk, "started_at": run.started_at.isoformat(),
+            "finished_at": run.finished_at.isoformat() if run.finished_at else None,
+            "passed": run.passed, "checks": checks}
+
+
+def incident_open_list(limit: int = 50) -> list[dict]:
+    """Unresolved incidents, newest first."""
+    return [{"id": i.pk, "created_at": i.created_at.isoformat(), "severity": i.severity, "kind": i.kind,
+             "pool": i.pool, "worker": i.worker, "pages": i.pages[:32], "reader_request": i.reader_request,
+             "previous_owner_request": i.previous_owner_request, "detected_by": i.detected_by,
+             "quarantined": i.quarantined, "acknowledged": i.acknowledged_at is not None,
+             "admin_url": reverse("admin:incidents_incident_change", args=[i.pk])}
+            for i in Incident.objects.filter(resolved_at__isnull=True)[:limit]]
+
+
+def dashboard_get(*, user) -> dict:
+    """Everything the dashboard shows; "error" is set (and workers empty) when Redis cannot be read."""
+    body = {"generated_at": time.time(), "served_window": None, "workers": [],
+            "page_maps": {}, "effective_context_limit": None, "latest_canary": canary_latest_get(),
+            "open_incidents": incident_open_list(), "open_incidents_total":
+                Incident.objects.filter(resolved_at__isnull=True).count()}
+    try:
+        body["workers"], body["page_maps"] = pool_state_list(user=user)
+        registry = registry_get()
+        body["effective_context_limit"] = registry.effective_limit()
+        body["served_window"] = registry.served_window()
+    except redis.RedisError as exc:
+        body["error"] = f"Redis unreachable ({exc.__class__.__name__}): live worker and pool state unavailable"
+    return body

@@ -1,0 +1,29 @@
+"""The scheduled canary (`kvserve.canary`, routed to the maintenance queue by the `kvserve.*` route)."""
+import logging
+import uuid
+
+from celery import shared_task
+from django.conf import settings
+
+from kvserve.workers import redis_get
+
+log = logging.getLogger(__name__)
+_UNLOCK = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+
+
+@shared_task(name="kvserve.canary", ignore_result=True)
+def canary(only: list[str] | None = None, skip: list[str] | None = None) -> dict | None:
+    """One canary run (all checks, or `only`/`skip` as in `manage.py canary`), unless one is still going:
+    runs never overlap (the lock outlives the slowest run)."""
+    from incidents.canary.suite import canary_run
+
+    r = redis_get()
+    key, token = f"{settings.KVSERVE_LEDGER_PREFIX}:canary:lock", uuid.uuid4().hex
+    if not r.set(key, token, nx=True, ex=settings.KVSERVE_CANARY_LOCK_S):
+        log.warning("canary: the previous run is still going; skipping this one")
+        return None
+    try:
+        run = canary_run(only, skip)
+        return {"id": run.pk, "passed": run.passed}
+    finally:
+        r.eval(_UNLOCK, 1, key, token)

@@ -1,0 +1,13 @@
+"""Routes for the operator pages; kvserve/urls.py includes these before the admin site."""
+from django.contrib import admin
+from django.urls import path
+
+from incidents.apis import PoolsApi
+from incidents.views import dashboard_view, metrics_view, workers_admin_view
+
+urlpatterns = [
+    path("dashboard/", dashboard_view, name="dashboard"),
+    path("api/pools/", PoolsApi.as_view(), name="api-pools"),
+    path("metrics", metrics_view, name="metrics"),
+    path("admin/workers/", admin.site.admin_view(workers_admin_view), name="admin-workers"),
+]

@@ -1,0 +1,58 @@
+"""Operator pages: /dashboard/, /metrics, and the Workers admin page (release a quarantined worker)."""
+import redis
+from django.contrib import admin, messages
+from django.contrib.admin.views.decorators import staff_member_required
+from django.http import HttpResponse
+from django.shortcuts import redirect, render
+from django.views.decorators.http import require_GET, require_http_methods
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+
+from incidents.metrics import metrics_render
+from incidents.pools import worker_admin_list
+from incidents.selectors import dashboard_get
+from incidents.services import worker_release
+
+RELEASE_PERMISSION = "incidents.add_workerrelease"
+
+
+@staff_member_required
+@require_GET
+def dashboard_view(request):
+    context = {**admin.site.each_context(request), "title": "kvserve dashboard",
+               "initial": dashboard_get(user=request.user)}
+    response = render(request, "dashboard/index.html", context)
+    response["Cache-Control"] = "no-store"
+    return response
+
+
+@require_GET
+def metrics_view(request):
+    # text format 0.0.4: what prometheus_client itself serves by default; every Prometheus parses it
+    return HttpResponse(metrics_render(), content_type=CONTENT_TYPE_PLAIN_0_0_4)
+
+
+@require_http_methods(["GET", "POST"])
+def workers_admin_view(request):
+    """Wrapped in admin.site.admin_view (staff login, CSRF) by the URLconf."""
+    can_release = request.user.has_perm(RELEASE_PERMISSION)
+    if request.method == "POST":
+        worker_id = request.POST.get("worker_id", "").strip()
+        if not can_release:
+            messages.error(request, "You need the 'Can add worker release' permission to release workers.")
+        elif not worker_id or len(worker_id) > 200:
+            messages.error(request, "No worker given.")
+        else:
+            release = worker_release(worker_id, request.user, notes=request.POST.get("notes", "")[:2000]
+                                     or "released from the Workers admin page")
+            if release.was_quarantined:
+                messages.success(request, f"Released {worker_id} (was: {release.quarantine_reason}).")
+            else:
+                messages.warning(request, f"{worker_id} was not quarantined; the release was logged anyway.")
+        return redirect("admin-workers")
+    try:
+        workers, error = worker_admin_list(), ""
+    except redis.RedisError as exc:
+        workers, error = [], f"Redis unreachable ({exc.__class__.__name__}): the worker registry cannot be read"
+    context = {**admin.site.each_context(request), "title": "Workers", "workers": workers, "error": error,
+               "can_release": can_release}
+    return render(request, "admin/workers.html", context)

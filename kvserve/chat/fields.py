@@ -1,0 +1,127 @@
+"""Strictly typed DRF fields for OpenAI-style JSON bodies: a number is never a string, a bool never an
+integer, text never holds unpaired surrogates; message content and `stop` are normalized here."""
+import math
+
+from drf_spectacular.utils import extend_schema_field
+from rest_framework import serializers
+
+
+def _check_text(field: serializers.Field, value: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        field.fail("surrogates")
+    return value
+
+
+class TextField(serializers.CharField):
+    """A JSON string, kept exactly as sent (no trimming, no coercion of numbers); blank is allowed."""
+
+    default_error_messages = {"invalid": "Expected a string.",
+                              "surrogates": "Text contains unpaired UTF-16 surrogates."}
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault("trim_whitespace", False)
+        kwargs.setdefault("allow_blank", True)
+        super().__init__(**kwargs)
+
+    def to_internal_value(self, data):
+        if not isinstance(data, str):
+            self.fail("invalid")
+        return _check_text(self, data)
+
+
+class StrictIntegerField(serializers.IntegerField):
+    default_error_messages = {"invalid": "Expected an integer."}
+
+    def to_internal_value(self, data):
+        if isinstance(data, bool) or not isinstance(data, int):
+            self.fail("invalid")
+        return data
+
+
+class StrictFloatField(serializers.FloatField):
+    default_error_messages = {"invalid": "Expected a number."}
+
+    def to_internal_value(self, data):
+        if isinstance(data, bool) or not isinstance(data, (int, float)) or not math.isfinite(data):
+            self.fail("invalid")
+        return float(data)
+
+
+class StrictBooleanField(serializers.BooleanField):
+    default_error_messages = {"invalid": "Expected true or false."}
+
+    def to_internal_value(self, data):
+        if not isinstance(data, bool):
+            self.fail("invalid")
+        return data
+
+
+_TEXT_PART = {"type": "object", "required": ["type", "text"],
+              "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
+
+
+@extend_schema_field({"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": _TEXT_PART}]})
+class MessageContentField(serializers.Field):
+    """A string, or OpenAI's list of content parts of which only `{"type": "text", "text": ...}` is
+    supported; a list becomes its texts joined by newlines."""
+
+    default_error_messages = {
+        "invalid": "Expected a string or a list of content parts.",
+        "empty": "A content part list needs at least one part.",
+        "part": 'Content part {index} is not supported: only {{"type": "text", "text": "..."}} parts are.',
+        "surrogates": "Text contains unpaired UTF-16 surrogates.",
+    }
+
+    def to_internal_value(self, data):
+        if isinstance(data, str):
+            return _check_text(self, data)
+        if not isinstance(data, list):
+            self.fail("invalid")
+        if not data:
+            self.fail("empty")
+        texts = []
+        for index, part in enumerate(data):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                self.fail("part", index=index)
+            texts.append(_check_text(self, part["text"]))
+        return "\n".join(texts)
+
+    def to_representation(self, value):
+        return value
+
+
+MAX_STOP = 4
+
+
+@extend_schema_field({"oneOf": [{"type": "string", "minLength": 1, "maxLength": 256},
+                                {"type": "array", "maxItems": MAX_STOP,
+                                 "items": {"type": "string", "minLength": 1, "maxLength": 256}}]})
+class StopField(serializers.Field):
+    """`stop`: one string or a list of at most four, each non-empty; always returned as a list."""
+
+    default_error_messages = {
+        "invalid": "Expected a string or a list of strings.",
+        "too_many": f"At most {MAX_STOP} stop sequences are supported.",
+        "blank": "Stop sequences must not be empty.",
+        "too_long": "A stop sequence may be at most 256 characters.",
+        "surrogates": "Text contains unpaired UTF-16 surrogates.",
+    }
+
+    def to_internal_value(self, data):
+        items = [data] if isinstance(data, str) else data
+        if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+            self.fail("invalid")
+        if len(items) > MAX_STOP:
+            self.fail("too_many")
+        for s in items:
+            if not s:
+                self.fail("blank")
+            if len(s) > 256:
+                self.fail("too_long")
+            _check_text(self, s)
+        return items
+
+    def to_representation(self, value):
+        return value

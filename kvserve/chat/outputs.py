@@ -1,0 +1,140 @@
+"""A request's output events (inference.streams) rendered as OpenAI responses: the whole `chat.completion`
+(sync: waits in the calling thread) and `chat.completion.chunk` server-sent events (async: waits on the
+event loop, so an open stream holds no blocked thread)."""
+import json
+from collections.abc import AsyncIterator
+from functools import lru_cache
+
+import redis
+import redis.asyncio as aioredis
+from django.conf import settings
+from django.http import StreamingHttpResponse
+
+from inference.streams import AsyncOutputStream, OutputStream
+from kvserve.chat.models import ChatRequest
+from kvserve.errors import ApiError, error_body
+from kvserve.workers import outputs_get
+
+# Worker-side failures are server faults, never the caller's: 503 (retryable) with type server_error and
+# the failure's own code. The one exception is a worker's admission re-check, which is about the request.
+SERVER_FAILURE_STATUS = 503
+CLIENT_FAILURE_CODES = {"context_length_exceeded": ("messages", 400)}
+
+
+@lru_cache(maxsize=8)
+def _blocking_client(url: str, socket_timeout_s: float) -> redis.Redis:
+    return redis.Redis.from_url(url, socket_timeout=socket_timeout_s, health_check_interval=30)
+
+
+def _blocking_outputs(timeout_s: float) -> OutputStream:
+    """OutputStream on a client whose socket timeout outlasts one XREAD BLOCK of `timeout_s` (redis-py's
+    default socket timeout, 5 s, would cut every longer wait short)."""
+    client = _blocking_client(settings.REDIS_URL, timeout_s + 10)
+    return OutputStream(client, prefix=settings.KVSERVE_LEDGER_PREFIX)
+
+
+def event_error(event: dict) -> ApiError:
+    """The ApiError for a worker's `error` event (or a timeout pseudo-event)."""
+    code = str(event.get("code") or "server_error")
+    message = str(event.get("message") or "The request failed on the server.")
+    if code in CLIENT_FAILURE_CODES:
+        param, status = CLIENT_FAILURE_CODES[code]
+        return ApiError(message, status_code=status, param=param, code=code)
+    return ApiError(message, status_code=SERVER_FAILURE_STATUS, type="server_error", code=code)
+
+
+def _timeout_event(timeout_s: float) -> dict:
+    return {"type": "error", "code": "timeout",
+            "message": f"No output from the workers for {timeout_s}s; the request did not complete."}
+
+
+def _usage(usage: dict | None, req: ChatRequest) -> dict:
+    usage = usage or {}
+    prompt = int(usage.get("prompt_tokens", req.prompt_tokens))
+    completion = int(usage.get("completion_tokens", 0))
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def completion_wait(req: ChatRequest, *, fingerprint: str = "") -> dict:
+    """Blocks until the request finishes; its chat.completion object, or ApiError on failure (never a
+    partial answer)."""
+    timeout_s = settings.KVSERVE_RESPONSE_TIMEOUT_S
+    text, done = [], None
+    try:
+        for event in _blocking_outputs(timeout_s).read(req.id, timeout_s=timeout_s):
+            if event["type"] == "delta":
+                text.append(event.get("text", ""))
+            elif event["type"] == "done":
+                done = event
+            else:
+                raise event_error(event)
+    except TimeoutError:
+        raise event_error(_timeout_event(timeout_s))
+    except redis.RedisError as exc:
+        raise ApiError(f"Lost the output stream: {exc.__class__.__name__}", status_code=SERVER_FAILURE_STATUS,
+                       type="server_error", code="backend_unavailable")
+    return {
+        "id": req.id, "object": "chat.completion", "created": int(req.created_at.timestamp()), "model": req.model,
+        "system_fingerprint": fingerprint,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
+                     "finish_reason": done.get("finish_reason") or "stop", "logprobs": None}],
+        "usage": _usage(done.get("usage"), req),
+    }
+
+
+def _sse(payload: dict | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+async def completion_chunks(req: ChatRequest, *, include_usage: bool, fingerprint: str = "") -> AsyncIterator[bytes]:
+    """The request's events as chat.completion.chunk SSE: a role chunk, content chunks, a chunk with the
+    finish_reason, a usage chunk when asked, then `[DONE]`. A failure is `data: {"error": {...}}` then
+    `[DONE]`. Reads with redis.asyncio on the event loop; its own connection closes with the stream."""
+    timeout_s, keepalive_s = settings.KVSERVE_RESPONSE_TIMEOUT_S, max(1, settings.KVSERVE_SSE_KEEPALIVE_S)
+    base = {"id": req.id, "object": "chat.completion.chunk", "created": int(req.created_at.timestamp()),
+            "model": req.model, "system_fingerprint": fingerprint}
+
+    def chunk(delta: dict, finish_reason=None) -> bytes:
+        return _sse({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason,
+                                          "logprobs": None}]})
+
+    def error(event: dict) -> bytes:
+        exc = event_error(event)
+        return _sse(error_body(exc.detail, type=exc.error_type, param=exc.param, code=exc.error_code))
+
+    client = aioredis.Redis.from_url(settings.REDIS_URL, socket_timeout=keepalive_s + 10)  # > one XREAD BLOCK
+    stream = AsyncOutputStream(client, prefix=settings.KVSERVE_LEDGER_PREFIX)
+    try:
+        yield chunk({"role": "assistant"})
+        try:
+            async for event in stream.read(req.id, timeout_s=timeout_s, idle_s=keepalive_s):
+                if event is None:
+                    yield b": keep-alive\n\n"
+                elif event["type"] == "delta":
+                    if event.get("text"):
+                        yield chunk({"content": event["text"]})
+                elif event["type"] == "done":
+                    yield chunk({}, event.get("finish_reason") or "stop")
+                    if include_usage:
+                        yield _sse({**base, "choices": [], "usage": _usage(event.get("usage"), req)})
+                else:
+                    yield error(event)
+        except TimeoutError:
+            yield error(_timeout_event(timeout_s))
+        except redis.RedisError as exc:
+            yield error({"code": "backend_unavailable", "message": f"Lost the output stream: {exc.__class__.__name__}"})
+        yield _sse("[DONE]")
+    finally:
+        await client.aclose()
+
+
+def sse_response(chunks: AsyncIterator[bytes]) -> StreamingHttpResponse:
+    response = StreamingHttpResponse(chunks, content_type="text/event-stream")
+    response["Cache-Control"] = "no-cache"
+    response["X-Accel-Buffering"] = "no"  # nginx: pass events through as they come
+    return response
+
+
+def output_stream_exists(req: ChatRequest) -> bool:
+    return bool(outputs_get().redis.exists(outputs_get().key(req.id)))

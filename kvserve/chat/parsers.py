@@ -1,0 +1,42 @@
+"""A JSON body parser for the public API: refuses bodies over KVSERVE_MAX_BODY_BYTES with 413, and any body
+that is not strict UTF-8 JSON with a 400 that says why (never a 500, whatever the bytes)."""
+import json
+
+from django.conf import settings
+from rest_framework import parsers
+from rest_framework.exceptions import ParseError
+
+from kvserve.errors import ApiError
+
+
+def _no_constants(name):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def body_too_large(limit: int) -> ApiError:
+    return ApiError(f"Request body exceeds the limit of {limit} bytes.", status_code=413, code="request_too_large")
+
+
+class LimitedJSONParser(parsers.JSONParser):
+    def parse(self, stream, media_type=None, parser_context=None):
+        limit = settings.KVSERVE_MAX_BODY_BYTES
+        request = (parser_context or {}).get("request")
+        try:
+            declared = int(request.META.get("CONTENT_LENGTH") or 0) if request is not None else 0
+        except ValueError:
+            declared = 0
+        if declared > limit:
+            raise body_too_large(limit)
+        raw = stream.read(limit + 1) if stream is not None else b""
+        if len(raw) > limit:
+            raise body_too_large(limit)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ParseError(f"Request body is not valid UTF-8 (byte 0x{raw[exc.start]:02x} at offset {exc.start}).")
+        try:
+            return json.loads(text, parse_constant=_no_constants)
+        except ValueError as exc:
+            raise ParseError(f"Request body is not valid JSON: {exc}")
+        except RecursionError:
+            raise ParseError("Request body is not valid JSON: nested too deeply.")

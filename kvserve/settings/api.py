@@ -1,0 +1,26 @@
+"""The public chat API's limits: per-key throttle rate, request body cap, output wait, and the cache
+(Redis, under the deployment's key prefix) that holds throttle counters for every web process."""
+from kvserve.settings.env import env_int, env_str
+from kvserve.settings.redis import KVSERVE_LEDGER_PREFIX, REDIS_URL
+
+# DRF rate syntax "<n>/<s|min|hour|day>", counted per API key across all web processes; "off" disables.
+KVSERVE_THROTTLE_RATE = env_str("KVSERVE_THROTTLE_RATE", "120/min")
+_num, _, _period = KVSERVE_THROTTLE_RATE.partition("/")
+if KVSERVE_THROTTLE_RATE.lower() not in ("", "off", "none") and not (_num.isdigit() and _period[:1] in tuple("smhd")):
+    raise ValueError(f"KVSERVE_THROTTLE_RATE={KVSERVE_THROTTLE_RATE!r}: use '<n>/<s|min|hour|day>' or 'off'")
+# Bodies above this are refused with 413 before they are parsed.
+KVSERVE_MAX_BODY_BYTES = env_int("KVSERVE_MAX_BODY_BYTES", 1024 * 1024)
+# max_tokens when a request names neither max_tokens nor max_completion_tokens.
+KVSERVE_DEFAULT_MAX_TOKENS = env_int("KVSERVE_DEFAULT_MAX_TOKENS", 256)
+# Longest silence tolerated between a request's output events (queueing included) before it fails with 503.
+KVSERVE_RESPONSE_TIMEOUT_S = env_int("KVSERVE_RESPONSE_TIMEOUT_S", 600)
+# SSE comment sent after this much silence so proxies keep an idle stream open.
+KVSERVE_SSE_KEEPALIVE_S = env_int("KVSERVE_SSE_KEEPALIVE_S", 15)
+
+CACHES = {
+    "default": {
+        "BACKEND": "django.core.cache.backends.redis.RedisCache",
+        "LOCATION": REDIS_URL,
+        "KEY_PREFIX": f"{KVSERVE_LEDGER_PREFIX}:cache",
+    }
+}

@@ -1,0 +1,46 @@
+"""Fixtures' helpers for the chat API tests: a fake worker that answers on the request's output stream,
+and an SSE parser."""
+import json
+
+from asgiref.sync import async_to_sync
+
+from inference.streams import OutputStream
+
+
+def sse_events(body: bytes) -> list:
+    """The `data:` payloads of an SSE body, JSON-decoded except the final `[DONE]`."""
+    out = []
+    for block in body.decode().split("\n\n"):
+        for line in block.splitlines():
+            if line.startswith("data: "):
+                data = line[len("data: "):]
+                out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def streaming_body(response) -> bytes:
+    """All of a streamed response's body; an async iterator (SSE) is run to its end on an event loop."""
+    content = response.streaming_content
+    if not hasattr(content, "__aiter__"):
+        return b"".join(content)
+
+    async def collect():
+        return b"".join([part async for part in content])
+
+    return async_to_sync(collect)()
+
+
+class FakeWorker:
+    """Stands in for kvserve.chat.tasks.prefill: records each queued request and publishes the scripted
+    events (deltas then done, or an error) on its output stream, as decode would."""
+
+    def __init__(self, redis, prefix):
+        self.outputs = OutputStream(redis, prefix=prefix)
+        self.calls = []
+        self.events = [{"type": "delta", "text": "The capital "}, {"type": "delta", "text": "is Paris."},
+                       {"type": "done", "finish_reason": "stop", "usage": {"prompt_tokens": 7, "completion_tokens": 5}}]
+
+    def delay(self, request_id, prompt_ids):
+        self.calls.append((request_id, prompt_ids))
+        if self.events:
+            self.outputs.publish_many([(request_id, e) for e in self.events])

@@ -1,0 +1,127 @@
+"""Canaries on a real stack (Celery prefill + decode workers with the real model, uvicorn, SQLite, Redis DB 15):
+`manage.py canary --json` passes on a healthy stack; with each fault injected into a live worker the
+matching check fails, an incident names that worker, and the worker is quarantined."""
+import json
+import sqlite3
+import time
+
+import pytest
+
+from tests.e2e.stack import Stack
+
+ALL_CHECKS = ["worker_config", "handoff_contract", "reproduction", "marker", "integrity", "selftest"]
+# fault -> (role of the worker it is injected into, the checks that must then fail)
+FAULTS = {
+    "no_handoff_check": ("decode", {"handoff_contract", "worker_config"}),
+    "no_ownership_guard": ("decode", {"worker_config"}),
+    "no_watermark_guard": ("decode", {"worker_config"}),
+    "no_scrub": ("prefill", {"worker_config"}),
+    "no_admission": ("prefill", {"worker_config"}),
+    "placeholder_on_reject": ("prefill", {"worker_config"}),
+}
+
+
+@pytest.fixture(scope="module")
+def canary_stack(tmp_path_factory, real_model):
+    """A stack of this module's own: the fault test leaves workers quarantined."""
+    s = Stack(tmp_path_factory.mktemp("canary-stack"), KVSERVE_CANARY_TIMEOUT_S="400")
+    try:
+        yield s.start()
+    finally:
+        s.close()
+
+
+def canary(stack, *args) -> tuple[int, dict, str]:
+    out = stack.manage_status("canary", "--json", *args)
+    lines = out.stdout.strip().splitlines()
+    assert lines, out.stderr[-3000:]
+    return out.returncode, json.loads(lines[-1]), out.stdout + out.stderr[-4000:]
+
+
+def rows(stack, sql, *params) -> list[tuple]:
+    with sqlite3.connect(stack.workdir / "db.sqlite3") as db:
+        return db.execute(sql, params).fetchall()
+
+
+@pytest.mark.timeout(600)
+def test_canary_passes_on_a_healthy_stack(canary_stack):
+    s = canary_stack
+    assert "kvserve canary: kvserve.canary, every 5 minutes" in s.manage("setup_schedules")
+    rc, body, log = canary(s)
+    assert rc == 0 and body["passed"] is True, log
+    checks = {c["name"]: c for c in body["checks"]}
+    assert list(checks) == ALL_CHECKS and all(c["passed"] for c in checks.values())
+    marker = checks["marker"]["details"]
+    assert marker["echoed"]["canary-a"] >= 1 and not marker["vacuous"] and marker["leaks"] == []
+    assert marker["read_records"] and all(not r["problems"] for r in marker["read_records"].values())
+    outcome = {r["probe"]: r for r in marker["requests"]}
+    at = outcome["canary-b-at-limit"]
+    assert at["prompt_tokens"] + at["max_tokens"] == marker["limit"] and at["final"] == "done"
+    for name in ("canary-b-over-by-prompt", "canary-b-over-by-max-tokens"):
+        assert outcome[name]["refusal"]["code"] == "context_length_exceeded" and not outcome[name]["request"]
+    repro = checks["reproduction"]["details"]
+    assert repro["refusal"]["status"] == 400 and repro["rows"] == [] and repro["queues_before"] == repro["queues_after"]
+    assert checks["selftest"]["details"]["observable"]["leak_reproduced"]
+    assert rows(s, "select passed, json_array_length(checks) from incidents_canaryrun where id = ?", body["run"]) == [
+        (1, len(ALL_CHECKS))]
+    assert rows(s, "select count(*) from incidents_incident") == [(0,)]
+    assert not any(w.quarantined for w in s.registry().live_workers())
+    tasks = dict(rows(s, "select task, enabled from django_celery_beat_periodictask"))
+    assert tasks == {"kvserve.canary": 1, "kvserve.reap": 1}
+
+
+@pytest.mark.timeout(600)
+def test_scheduled_task_runs_the_suite_in_the_maintenance_worker(canary_stack):
+    """What beat sends every 5 minutes: `kvserve.canary`, routed to the maintenance queue, which the prefill
+    worker consumes; its self-test reuses that worker's loaded model, its marker traffic the same workers."""
+    s = canary_stack
+    last = rows(s, "select coalesce(max(id), 0) from incidents_canaryrun")[0][0]
+    s.manage("shell", "-c", "from kvserve.celery import app; "
+                            "app.send_task('kvserve.canary', kwargs={'only': ['marker', 'selftest']})")
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        done = rows(s, "select passed, checks from incidents_canaryrun where id > ? and finished_at is not null", last)
+        if done:
+            break
+        time.sleep(1)
+    assert done, s.tail("prefill")
+    passed, checks = done[0]
+    assert passed == 1, checks
+    assert [c["name"] for c in json.loads(checks)] == ["marker", "selftest"]
+    assert "canary run" in s.tail("prefill", 200_000)
+
+
+@pytest.mark.timeout(600)
+def test_each_fault_on_a_live_worker_fails_its_check_and_quarantines_it(canary_stack):
+    s = canary_stack
+    healthy = {w.worker_id for w in s.registry().live_workers()}
+    for fault, (role, _) in FAULTS.items():  # small pools: the fault, not the size, is under test
+        s.start_worker(role, name=f"faulty-{fault}", KVSERVE_FAULTS=fault, KVSERVE_NUM_PAGES="64",
+                       KVSERVE_WINDOW="1024")
+    for role in ("prefill", "decode"):
+        s.wait_workers(role, 1 + sum(r == role for r, _ in FAULTS.values()), timeout_s=240)
+    by_fault = {w.faults[0]: w.worker_id for w in s.registry().live_workers() if w.faults}
+    assert set(by_fault) == set(FAULTS)
+
+    rc, body, log = canary(s, "--only", "worker_config,handoff_contract,integrity")
+    assert rc == 1 and body["passed"] is False, log
+    checks = {c["name"]: c for c in body["checks"]}
+    assert checks["integrity"]["passed"]  # the books still balance: faults switch guards off, not the ledger
+    incidents = rows(s, "select kind, worker, severity, quarantined, detected_by from incidents_incident")
+    registry = s.registry()
+    for fault, (role, failing) in FAULTS.items():
+        worker = by_fault[fault]
+        for name in failing:
+            assert not checks[name]["passed"], (fault, name)
+        assert f"fault injection active: {fault}" in checks["worker_config"]["details"]["workers"][worker]["problems"]
+        assert ("config_unsafe", worker, "critical", 1, "canary worker_config") in incidents
+        if "handoff_contract" in failing:
+            cases = checks["handoff_contract"]["details"]["workers"][worker]["cases"]
+            assert {c for c, r in cases.items() if not r["ok"]} == {"rejected", "truncated", "bad_signature"}
+            assert ("handoff_mismatch", worker, "critical", 1, "canary handoff_contract") in incidents
+        assert registry.is_quarantined(worker)
+    # the healthy workers pass every check and stay in service
+    assert all(not registry.is_quarantined(w) for w in healthy)
+    assert all(r["ok"] for w in healthy if w.startswith("decode")
+               for r in checks["handoff_contract"]["details"]["workers"][w]["cases"].values())
+    assert {i[1] for i in incidents} == set(by_fault.values())
