@@ -3,9 +3,10 @@
     python -m bench.all [--quick] [--repeats N] [--url http://host:port] [--only engine,guards]
     python -m bench.all --render-only      # rebuild bench/RESULTS.md from bench/results.jsonl
 
-Each `bench.<name>` in MODULES runs in its own process (`python -m bench.<name>`, with --quick /
---repeats passed on when given); its final stdout line is its JSON result. A module that is not
-there, or fails to import, is skipped with a message; `load` runs only when --url is given.
+Each `bench.<name>` in MODULES runs in its own process (`python -m bench.<name>`); its final stdout
+line is its JSON result. --quick / --repeats / --url / --api-key are passed on to the modules whose
+source defines that option. A module that is not there, or fails to import, is skipped with a
+message; `load` runs only when --url is given.
 Results go to bench/results.jsonl (overwritten: one line per module) and bench/RESULTS.md (a
 markdown table per module, regenerated from the jsonl).
 """
@@ -13,6 +14,7 @@ import argparse
 import datetime
 import importlib
 import importlib.util
+import inspect
 import json
 import os
 import platform
@@ -30,15 +32,28 @@ MODULES = ["engine", "guards", "transport", "load"]  # run in this order
 NEEDS_URL = {"load"}
 
 
-def importable(name: str) -> str | None:
-    """None when bench.<name> imports; otherwise why not."""
+def load(name: str):
+    """(module, None) when bench.<name> imports; otherwise (None, why not)."""
     if importlib.util.find_spec(f"bench.{name}") is None:
-        return "not present"
+        return None, "not present"
     try:
-        importlib.import_module(f"bench.{name}")
+        return importlib.import_module(f"bench.{name}"), None
     except Exception as exc:  # a broken module is skipped, not fatal
-        return f"does not import: {type(exc).__name__}: {exc}"
-    return None
+        return None, f"does not import: {type(exc).__name__}: {exc}"
+
+
+def options_for(module, given: dict[str, object]) -> list[str]:
+    """The given options this module's argument parser defines (flags with True, others with a value)."""
+    try:
+        source = inspect.getsource(module)
+    except (OSError, TypeError):
+        source = ""
+    out = []
+    for option, value in given.items():
+        if value in (None, False) or f'"{option}"' not in source:
+            continue
+        out += [option] if value is True else [option, str(value)]
+    return out
 
 
 def run_module(name: str, extra: list[str]) -> dict:
@@ -103,6 +118,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="pass --quick to every module")
     parser.add_argument("--repeats", type=int, help="pass --repeats N to every module")
     parser.add_argument("--url", help="base URL of a running deployment (enables bench.load)")
+    parser.add_argument("--api-key", help="API key for --url (bench.load)")
     parser.add_argument("--only", help="comma-separated module names (default: all of MODULES)")
     parser.add_argument("--render-only", action="store_true", help="only rebuild RESULTS.md from results.jsonl")
     args = parser.parse_args(argv)
@@ -118,13 +134,12 @@ def main(argv=None) -> int:
         if name in NEEDS_URL and not args.url:
             print(f"skip bench.{name}: needs --url", flush=True)
             continue
-        why = importable(name)
+        module, why = load(name)
         if why:
             print(f"skip bench.{name}: {why}", flush=True)
             continue
-        extra = (["--quick"] if args.quick else []) + (["--repeats", str(args.repeats)] if args.repeats else [])
-        if name in NEEDS_URL:
-            extra += ["--url", args.url]
+        extra = options_for(module, {"--quick": args.quick, "--repeats": args.repeats, "--url": args.url,
+                                     "--api-key": args.api_key})
         record = run_module(name, extra)
         failed |= "error" in record
         records.append(record)

@@ -32,8 +32,8 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-async def one_request(client, url, key, question, max_tokens):
-    body = {"model": "default", "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
+async def one_request(client, url, key, model, question, max_tokens):
+    body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
             "stream": True, "stream_options": {"include_usage": True}}
     started = time.perf_counter()
     first = None
@@ -70,13 +70,16 @@ async def run_load(url, key, clients, seconds, max_tokens):
     deadline = time.perf_counter() + seconds
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as client:
+        models = await client.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"})
+        models.raise_for_status()
+        model = models.json()["data"][0]["id"]
         async def worker(i):
             nonlocal sent
             n = 0
             while time.perf_counter() < deadline:
                 sent += 1
                 try:
-                    results.append(await one_request(client, url, key, QUESTIONS[(i + n) % len(QUESTIONS)], max_tokens))
+                    results.append(await one_request(client, url, key, model, QUESTIONS[(i + n) % len(QUESTIONS)], max_tokens))
                 except Exception as exc:  # a transport failure is an error, never silently dropped
                     results.append({"error": f"{type(exc).__name__}: {exc}", "lost": True})
                 n += 1
