@@ -7,8 +7,10 @@ Each `bench.<name>` in MODULES runs in its own process (`python -m bench.<name>`
 line is its JSON result. --quick / --repeats / --url / --api-key are passed on to the modules whose
 source defines that option. A module that is not there, or fails to import, is skipped with a
 message; `load` runs only when --url is given.
-Results go to bench/results.jsonl (overwritten: one line per module) and bench/RESULTS.md (a
-markdown table per module, regenerated from the jsonl).
+
+Results go to bench/results.jsonl (one line per module) and bench/RESULTS.md (a markdown table per
+module, regenerated from the jsonl). A full run overwrites results.jsonl; with --only, the lines of
+the modules run are replaced and the others kept.
 """
 import argparse
 import datetime
@@ -130,6 +132,8 @@ def main(argv=None) -> int:
 
     wanted = args.only.split(",") if args.only else MODULES
     records, failed = [], False
+    if args.only and RESULTS_JSONL.exists():  # a partial run updates those modules' lines, keeps the rest
+        records = [r for r in map(json.loads, RESULTS_JSONL.read_text().splitlines()) if r.get("module") not in wanted]
     for name in wanted:
         if name in NEEDS_URL and not args.url:
             print(f"skip bench.{name}: needs --url", flush=True)
@@ -144,6 +148,8 @@ def main(argv=None) -> int:
         failed |= "error" in record
         records.append(record)
         write_results(records)  # keep what finished even if a later module dies
+    order = {name: i for i, name in enumerate(MODULES)}
+    records.sort(key=lambda r: order.get(r.get("module"), len(order)))
     write_results(records)
     print(f"\nwrote {RESULTS_JSONL.relative_to(ROOT)} and {RESULTS_MD.relative_to(ROOT)} ({len(records)} modules)")
     return 1 if failed else 0

@@ -3,9 +3,10 @@
     python -m bench.engine [--repeats 3] [--quick]
 
 Both sides load the same file (`inference.loader.resolve_model_path()`) and run it in float32 on
-the CPU with the same thread count. Every figure is the median over `--repeats` rounds, and the
-rounds interleave the two systems (kvserve, HF, kvserve, HF, ...) so that drift in machine load
-hits both alike.
+the CPU with the same thread count. Each round runs every measurement of both systems, interleaved
+(kvserve prefill, HF prefill, kvserve c1, HF b1, kvserve c32, HF b32); tok/s figures are medians
+over `--repeats` rounds, and each ratio is the median over rounds of that round's kvserve/HF ratio,
+so that a burst of load from other processes (this machine is shared) spoils one pair, not a median.
 
 Workload
   * c32/b32: 32 chat prompts (chat template applied) of deterministic mixed lengths spread over
@@ -201,7 +202,10 @@ def main(argv=None) -> int:
     med = {k: median(v) for k, v in runs.items()}
 
     def ratio(a, b):
-        return med[a] / med[b] if med[b] == med[b] and med[b] > 0 else None
+        """Median over rounds of the within-round ratio: a round runs both systems back to back, so a
+        burst of load from other processes lands on one pair, not on one system's median."""
+        pairs = [x / y for x, y in zip(runs[a], runs[b]) if y > 0]
+        return median(pairs) if pairs else None
 
     result = dict(
         kvserve_decode_tok_s_c1=med["kv_c1"], kvserve_decode_tok_s_c32=med["kv_c32"],
