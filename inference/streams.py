@@ -5,6 +5,15 @@ import json
 import time
 
 
+def decode_entries(reply) -> list[tuple[bytes, dict]]:
+    """(entry id, event) pairs of one XREAD reply on a single stream."""
+    return [(entry_id, json.loads(fields[b"e"] if b"e" in fields else fields["e"])) for entry_id, fields in reply[0][1]]
+
+
+def is_final(event: dict) -> bool:
+    return event["type"] in ("done", "error")
+
+
 class OutputStream:
     def __init__(self, redis, prefix: str = "kvs", ttl_s: int = 3600):
         self.redis = redis
@@ -50,11 +59,9 @@ class OutputStream:
             reply = self.redis.xread({key: last_id}, block=max(1, int(min(left, 2.0) * 1000)), count=256)
             if not reply:
                 continue
-            for entry_id, fields in reply[0][1]:
-                last_id = entry_id
-                event = json.loads(fields[b"e"] if b"e" in fields else fields["e"])
+            for last_id, event in decode_entries(reply):
                 yield event
-                if event["type"] in ("done", "error"):
+                if is_final(event):
                     return
 
 
@@ -86,9 +93,7 @@ class AsyncOutputStream:
                 yield None
                 continue
             silent = 0.0
-            for entry_id, fields in reply[0][1]:
-                last_id = entry_id
-                event = json.loads(fields[b"e"] if b"e" in fields else fields["e"])
+            for last_id, event in decode_entries(reply):
                 yield event
-                if event["type"] in ("done", "error"):
+                if is_final(event):
                     return
