@@ -41,6 +41,14 @@ class EngineConfig:
     device: str = "cpu"
     attention: str | None = None  # None: chosen from the device (KVSERVE_ATTENTION overrides)
     faults: Faults = field(default_factory=lambda: NO_FAULTS)
+    pool_mb: int | None = None  # size the pool by memory instead of num_pages
+
+    def pages_for(self, mc, dtype) -> int:
+        """Pages in the pool: num_pages, or as many as fit pool_mb for this model and dtype."""
+        if not self.pool_mb:
+            return self.num_pages
+        per_page = PagePool.page_bytes(self.page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
+        return self.pool_mb * 2**20 // per_page
 
     @classmethod
     def from_env(cls, **overrides) -> "EngineConfig":
@@ -57,13 +65,9 @@ class EngineConfig:
             faults=Faults.from_env(),
         )
         if env.get("KVSERVE_POOL_MB") and not env.get("KVSERVE_NUM_PAGES"):
-            values["num_pages"] = -1  # resolved against the model's page size in Engine
             values["pool_mb"] = int(env["KVSERVE_POOL_MB"])
         values.update(overrides)
-        pool_mb = values.pop("pool_mb", None)
-        config = cls(**values)
-        config.pool_mb = pool_mb
-        return config
+        return cls(**values)
 
 
 class Engine:
@@ -76,10 +80,7 @@ class Engine:
         device = torch.device(config.device)
         self.attention_backend = config.attention or select_backend(device)
         self.model = Llama(mc, model.weights, dtype=dtype, device=device, attention_backend=self.attention_backend)
-        num_pages = config.num_pages
-        if getattr(config, "pool_mb", None):
-            per_page = PagePool.page_bytes(config.page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
-            num_pages = config.pool_mb * 2**20 // per_page
+        num_pages = config.pages_for(mc, dtype)
         self.pool = PagePool(num_pages, config.page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, device)
         allocator: PageAllocator = (allocator_factory or (lambda n: LocalAllocator(n)))(num_pages)
         self.block_manager = BlockManager(allocator, self.pool, config.scrub_policy, config.faults)

@@ -15,6 +15,8 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+import torch
+
 from inference.engine import Engine, EngineConfig
 from inference.handoff import Handoff, HandoffRefused, Verdict, verify_for_decode
 from inference.ledger import RedisLedger, check_eviction_policy
@@ -77,7 +79,8 @@ class WorkerRuntime:
         check_eviction_policy(redis)
         model = model or load_model()
         config = config or EngineConfig.from_env()
-        config.window = check_window(config.num_pages, config.page_size, config.window or model.config.max_position,
+        num_pages = config.pages_for(model.config, getattr(torch, config.dtype))
+        config.window = check_window(num_pages, config.page_size, config.window or model.config.max_position,
                                      opts.clamp_window)
         self.worker_id = f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
         self.engine = Engine(model, config, allocator_factory=lambda n: RedisLedger.register(

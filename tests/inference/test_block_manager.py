@@ -78,12 +78,20 @@ def test_stale_epoch_is_caught_after_the_page_was_reissued():
 
 
 def test_guards_only_switch_off_through_fault_injection():
-    bm, _ = setup(faults="no_ownership_guard,no_watermark_guard")
-    a, b = seq("a"), seq("b")
-    bm.allocate(a, 2)
-    bm.allocate(b, 2)
-    a.block_table[0] = b.block_table[0]
-    bm.check_reads(a, 3, 1)  # would have raised twice over; the faults are what let it through
+    def corrupt(faults):
+        bm, _ = setup(faults=faults)
+        a, b = seq("a"), seq("b")
+        bm.allocate(a, 2)
+        bm.allocate(b, 2)
+        a.block_table[0] = b.block_table[0]  # foreign page, and nothing written for a
+        return bm, a
+
+    bm, a = corrupt("")
+    with pytest.raises(OwnershipViolation):
+        bm.check_reads(a, 3, 1)
+    bm, a = corrupt("no_ownership_guard,no_watermark_guard")
+    assert (bm.check_owner, bm.check_watermark) == (False, False)
+    bm.check_reads(a, 3, 1)  # the same read goes through only because both faults are injected
 
 
 def test_scrub_policies_on_free_on_alloc_and_the_no_scrub_fault():

@@ -107,3 +107,12 @@ def test_heartbeat_reaps_an_expired_lease_and_scrubs_before_reuse(runtimes, redi
     assert rt.ledger.num_free() == 64
     assert float(rt.engine.pool.data[list(grant.pages)].abs().sum()) == 0.0
     rt.ledger.check_integrity()
+
+
+def test_a_pool_sized_by_memory_is_checked_against_the_window(tiny_model):
+    config = EngineConfig(page_size=16, pool_mb=1)
+    pages = config.pages_for(tiny_model.config, __import__("torch").float32)
+    per_page = 16 * tiny_model.config.num_layers * 2 * tiny_model.config.num_kv_heads * tiny_model.config.head_dim * 4
+    assert pages == 2**20 // per_page and pages * 16 >= 1024
+    with pytest.raises(WindowTooLarge):
+        check_window(pages, 16, pages * 16 + 1, clamp=False)
