@@ -1,8 +1,22 @@
-"""Admin for incidents (acknowledge / resolve / release worker), canary runs and worker releases."""
+"""Admin for incidents (acknowledge / resolve: change_incident; release worker: add_workerrelease), canary
+runs and worker releases. Every action is written to the admin log with who did it."""
 from django.contrib import admin, messages
+from django.contrib.admin.models import ADDITION, LogEntry
 
 from incidents.models import CanaryRun, Incident, WorkerRelease
 from incidents.services import incident_acknowledge, incident_resolve, worker_release
+
+# Releasing a worker, from the Workers page or the incident action, needs this one permission.
+RELEASE_PERMISSION = "incidents.add_workerrelease"
+
+
+def admin_worker_release(request, worker_id: str, *, notes: str) -> WorkerRelease:
+    """worker_release by the admin user of `request`, written to the admin log."""
+    release = worker_release(worker_id, request.user, notes=notes)
+    state = f"was quarantined: {release.quarantine_reason}" if release.was_quarantined else "was not quarantined"
+    LogEntry.objects.log_actions(user_id=request.user.pk, queryset=[release], action_flag=ADDITION,
+                                 change_message=f"Released worker {worker_id} ({state}).", single_object=True)
+    return release
 
 # The admin index links the operator pages (dashboard, Workers, metrics): templates/admin/kvserve_index.html.
 admin.site.index_template = "admin/kvserve_index.html"
@@ -24,23 +38,30 @@ class IncidentAdmin(admin.ModelAdmin):
     def has_add_permission(self, request):
         return False  # incidents are recorded by detectors through incident_record only
 
-    @admin.action(description="Acknowledge selected incidents")
+    def has_release_worker_permission(self, request) -> bool:
+        return request.user.has_perm(RELEASE_PERMISSION)
+
+    @admin.action(description="Acknowledge selected incidents", permissions=["change"])
     def acknowledge(self, request, queryset):
         for incident in queryset:
-            incident_acknowledge(incident=incident, by_user=request.user)
+            if incident.acknowledged_at is None:
+                incident_acknowledge(incident=incident, by_user=request.user)
+                self.log_change(request, incident, "Acknowledged.")
         self.message_user(request, f"Acknowledged {queryset.count()} incident(s).", messages.SUCCESS)
 
-    @admin.action(description="Resolve selected incidents")
+    @admin.action(description="Resolve selected incidents", permissions=["change"])
     def resolve(self, request, queryset):
         for incident in queryset:
-            incident_resolve(incident=incident, by_user=request.user)
+            if incident.resolved_at is None:
+                incident_resolve(incident=incident, by_user=request.user)
+                self.log_change(request, incident, "Resolved.")
         self.message_user(request, f"Resolved {queryset.count()} incident(s).", messages.SUCCESS)
 
-    @admin.action(description="Release the quarantined workers of selected incidents")
+    @admin.action(description="Release the quarantined workers of selected incidents", permissions=["release_worker"])
     def release_workers(self, request, queryset):
         workers = sorted({w for w in queryset.values_list("worker", flat=True) if w})
         for worker_id in workers:
-            worker_release(worker_id, request.user, notes="released from the incident admin")
+            admin_worker_release(request, worker_id, notes="released from the incident admin")
         self.message_user(request, f"Released: {', '.join(workers) or 'none'}.", messages.WARNING)
 
 

@@ -7,12 +7,10 @@ from django.shortcuts import redirect, render
 from django.views.decorators.http import require_GET, require_http_methods
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
+from incidents.admin import RELEASE_PERMISSION, admin_worker_release
 from incidents.metrics import metrics_render
 from incidents.pools import worker_admin_list
 from incidents.selectors import dashboard_get
-from incidents.services import worker_release
-
-RELEASE_PERMISSION = "incidents.add_workerrelease"
 
 
 @staff_member_required
@@ -42,8 +40,8 @@ def workers_admin_view(request):
         elif not worker_id or len(worker_id) > 200:
             messages.error(request, "No worker given.")
         else:
-            release = worker_release(worker_id, request.user, notes=request.POST.get("notes", "")[:2000]
-                                     or "released from the Workers admin page")
+            release = admin_worker_release(request, worker_id, notes=request.POST.get("notes", "")[:2000]
+                                           or "released from the Workers admin page")
             if release.was_quarantined:
                 messages.success(request, f"Released {worker_id} (was: {release.quarantine_reason}).")
             else:

@@ -1,4 +1,5 @@
-"""Admin for tenants and API keys: create a key (shown once), revoke keys. Hashes are never shown."""
+"""Admin for tenants and API keys: create a key (shown once; needs add_apikey), revoke keys (change_apikey).
+Both are written to the admin log with who did it; hashes and raw keys never are."""
 from django.contrib import admin, messages
 from django.template.response import TemplateResponse
 
@@ -25,9 +26,16 @@ class TenantAdmin(admin.ModelAdmin):
     inlines = [ApiKeyInline]
     actions = ["create_api_key"]
 
-    @admin.action(description="Create a new API key (shown once)")
+    def has_add_apikey_permission(self, request) -> bool:
+        return request.user.has_perm("tenants.add_apikey")
+
+    @admin.action(description="Create a new API key (shown once)", permissions=["add_apikey"])
     def create_api_key(self, request, queryset):
-        created = [(tenant, api_key_create(tenant.name)[1]) for tenant in queryset]
+        created = []
+        for tenant in queryset:
+            api_key, raw = api_key_create(tenant.name)
+            self.log_addition(request, api_key, f"Minted API key {api_key.prefix}… for tenant {tenant.name}.")
+            created.append((tenant, raw))
         response = TemplateResponse(
             request,
             "admin/tenants/api_key_created.html",
@@ -49,8 +57,12 @@ class ApiKeyAdmin(admin.ModelAdmin):
     def has_add_permission(self, request):
         return False  # keys come from `manage.py create_api_key` or the tenant action
 
-    @admin.action(description="Revoke selected API keys")
+    @admin.action(description="Revoke selected API keys", permissions=["change"])
     def revoke(self, request, queryset):
+        revoked = 0
         for api_key in queryset:
-            api_key_revoke(api_key=api_key)
-        self.message_user(request, f"Revoked {queryset.count()} key(s).", messages.SUCCESS)
+            if api_key.is_active:
+                api_key_revoke(api_key=api_key)
+                self.log_change(request, api_key, "Revoked the API key.")
+                revoked += 1
+        self.message_user(request, f"Revoked {revoked} key(s).", messages.SUCCESS)

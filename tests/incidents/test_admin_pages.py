@@ -1,5 +1,6 @@
 """Admin pages: Workers (release a quarantined worker), ChatRequest, API keys, and the index's operator links."""
 import pytest
+from django.contrib.admin.models import ADDITION, LogEntry
 from django.contrib.auth.models import Permission, User
 from django.urls import reverse
 
@@ -48,6 +49,9 @@ def test_release_button_releases_and_logs(admin_client, admin_user, quarantined,
     assert not registry.is_quarantined("decode-1")
     release = WorkerRelease.objects.get(worker="decode-1")
     assert release.released_by == admin_user and release.was_quarantined and release.notes == "guard fixed"
+    entry = LogEntry.objects.get()  # the admin log says who released what
+    assert (entry.user, entry.action_flag, entry.object_id) == (admin_user, ADDITION, str(release.pk))
+    assert entry.get_change_message().startswith("Released worker decode-1 (was quarantined: incident #")
     assert "Released decode-1" in admin_client.get(WORKERS).content.decode()
     assert registry.effective_limit() == 4096  # serving again
 
@@ -59,6 +63,7 @@ def test_release_needs_the_permission_and_a_staff_login(client, quarantined, reg
     assert "Release" not in client.get(WORKERS).content.decode().split("<tbody>")[1]
     client.post(WORKERS, {"worker_id": "decode-1"})
     assert registry.is_quarantined("decode-1") and not WorkerRelease.objects.exists()
+    assert not LogEntry.objects.exists()
     client.force_login(staff("add_workerrelease"))
     client.post(WORKERS, {"worker_id": "decode-1"})
     assert not registry.is_quarantined("decode-1")
