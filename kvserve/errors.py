@@ -1,6 +1,8 @@
 """Every API error rendered in OpenAI's format: {"error": {"message", "type", "param", "code"}}."""
 import logging
 
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
 from django.http import JsonResponse
 from rest_framework import exceptions, status
 from rest_framework.response import Response
@@ -20,6 +22,15 @@ class ApiError(exceptions.APIException):
 
 def error_body(message, *, type="invalid_request_error", param=None, code=None) -> dict:
     return {"error": {"message": str(message), "type": type, "param": param, "code": code}}
+
+
+def api_error_body(exc: ApiError) -> dict:
+    return error_body(exc.detail, type=exc.error_type, param=exc.param, code=exc.error_code)
+
+
+def request_too_large(limit: int) -> ApiError:
+    return ApiError(f"Request body exceeds the limit of {limit} bytes (KVSERVE_MAX_BODY_BYTES).", status_code=413,
+                    code="request_too_large")
 
 
 _TYPES = {401: "invalid_request_error", 403: "permission_error", 404: "invalid_request_error",
@@ -46,7 +57,7 @@ def _first_validation_error(detail, path=()):
 
 def _body_for(exc: exceptions.APIException) -> dict:
     if isinstance(exc, ApiError):
-        return error_body(exc.detail, type=exc.error_type, param=exc.param, code=exc.error_code)
+        return api_error_body(exc)
     if isinstance(exc, exceptions.ValidationError):
         param, message, code = _first_validation_error(exc.detail)
         return error_body(message, param=param, code=code)
@@ -63,6 +74,8 @@ def _body_for(exc: exceptions.APIException) -> dict:
 
 def openai_exception_handler(exc, context):
     """DRF EXCEPTION_HANDLER: DRF's own status/headers, OpenAI's body; unexpected errors become 500s."""
+    if isinstance(exc, RequestDataTooBig):  # Django's own cap (DATA_UPLOAD_MAX_MEMORY_SIZE): the same 413
+        exc = request_too_large(settings.DATA_UPLOAD_MAX_MEMORY_SIZE)
     response = exception_handler(exc, context)
     if response is not None:
         response.data = _body_for(exc)

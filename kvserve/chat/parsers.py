@@ -1,23 +1,23 @@
 """A JSON body parser for the public API: refuses bodies over KVSERVE_MAX_BODY_BYTES with 413, and any body
-that is not strict UTF-8 JSON with a 400 that says why (never a 500, whatever the bytes)."""
+that is not strict UTF-8 JSON with a 400 that says why (never a 500, whatever the bytes). Under uvicorn the
+ASGI middleware (kvserve/bodylimit.py) has already refused an oversized body; this is the same rule for
+WSGI and the test client. Not a JSONParser subclass: DRF reads such a parser's body in full first."""
 import json
 
 from django.conf import settings
 from rest_framework import parsers
 from rest_framework.exceptions import ParseError
 
-from kvserve.errors import ApiError
+from kvserve.errors import request_too_large
 
 
 def _no_constants(name):
     raise ValueError(f"{name} is not valid JSON")
 
 
-def body_too_large(limit: int) -> ApiError:
-    return ApiError(f"Request body exceeds the limit of {limit} bytes.", status_code=413, code="request_too_large")
+class LimitedJSONParser(parsers.BaseParser):
+    media_type = "application/json"
 
-
-class LimitedJSONParser(parsers.JSONParser):
     def parse(self, stream, media_type=None, parser_context=None):
         limit = settings.KVSERVE_MAX_BODY_BYTES
         request = (parser_context or {}).get("request")
@@ -26,10 +26,10 @@ class LimitedJSONParser(parsers.JSONParser):
         except ValueError:
             declared = 0
         if declared > limit:
-            raise body_too_large(limit)
+            raise request_too_large(limit)
         raw = stream.read(limit + 1) if stream is not None else b""
         if len(raw) > limit:
-            raise body_too_large(limit)
+            raise request_too_large(limit)
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:

@@ -344,6 +344,23 @@ def test_body_over_the_limit_is_413(client, chat_env, key, settings):
     assert ChatRequest.objects.count() == 1
 
 
+def test_30_mb_body_is_413_not_500(client, chat_env, key):
+    # over Django's own DATA_UPLOAD_MAX_MEMORY_SIZE too: it used to raise RequestDataTooBig -> 500
+    big = json.dumps({"messages": [{"role": "user", "content": "x" * (30 * 2**20)}]})
+    error = assert_error(post(client, key, big), 413, code="request_too_large")
+    assert "KVSERVE_MAX_BODY_BYTES" in error["message"] and not ChatRequest.objects.exists()
+
+
+def test_djangos_own_body_cap_maps_to_the_same_413(settings):
+    from django.core.exceptions import RequestDataTooBig
+
+    from kvserve.errors import openai_exception_handler
+
+    response = openai_exception_handler(RequestDataTooBig("too big"), {"view": None})
+    assert response.status_code == 413 and response.data["error"]["code"] == "request_too_large"
+    assert str(settings.DATA_UPLOAD_MAX_MEMORY_SIZE) in response.data["error"]["message"]
+
+
 def test_body_without_content_length_is_still_capped(chat_env, settings):
     import io
 
