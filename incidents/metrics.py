@@ -1,25 +1,29 @@
-"""Prometheus exposition for /metrics: one custom collector that reads Redis and the database on every scrape."""
+"""Prometheus exposition for /metrics: metric families from live state (Redis, the database), rendered at
+most once per KVSERVE_METRICS_CACHE_S in this process however many scrapers ask. One rendering costs
+two Redis round trips for every pool (counts, never a page scan), one for the workers and a few queries."""
 import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 
 import redis
 from django.conf import settings
+from django.db import DatabaseError
 from django.db.models import Count, Sum
 from django.utils import timezone
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from redis.exceptions import ResponseError
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from incidents.models import CanaryRun, Incident
-from incidents.pools import page_counts
-from inference.allocator import LedgerError
-from inference.ledger import RedisLedger, ledger_key
+from inference.ledger import pool_counts
 from kvserve.chat.metrics import admission_rejection_counts
 from kvserve.chat.models import ChatRequest
 from kvserve.workers import redis_get, registry_get
 
 log = logging.getLogger(__name__)
 TOKENS_PER_SECOND_WINDOW_S = 60
+PAGE_STATES = ("used", "free", "dirty", "lost")
 
 
 def _gauge(name, doc, labels, rows):
@@ -29,20 +33,18 @@ def _gauge(name, doc, labels, rows):
     return g
 
 
-def _pool_metrics():
-    r, prefix = redis_get(), settings.KVSERVE_LEDGER_PREFIX
+# ---- Redis: pools, workers, admission -------------------------------------------------------------
+
+def pool_families():
     pages = GaugeMetricFamily("kvserve_pool_pages", "KV pages per pool by state (used, free, dirty, lost)",
                               labels=["pool", "role", "state"])
-    for raw in sorted(r.smembers(ledger_key(prefix))):
-        pool = raw.decode() if isinstance(raw, bytes) else raw
-        try:
-            ledger = RedisLedger(r, pool, prefix=prefix)
-            snapshot = ledger.snapshot()
-        except (LedgerError, ResponseError):
-            continue  # retired between the listing and the read
-        for state, n in page_counts(snapshot).items():
-            pages.add_metric([pool, ledger.role, state], n)
+    for c in pool_counts(redis_get(), settings.KVSERVE_LEDGER_PREFIX):
+        for state in PAGE_STATES:
+            pages.add_metric([c.pool_id, c.role, state], getattr(c, state))
     yield pages
+
+
+def worker_families():
     registry = registry_get()
     workers = registry.live_workers()
     yield _gauge("kvserve_worker_capacity_tokens", "Tokens the worker's page pool holds", ["worker", "role"],
@@ -56,7 +58,8 @@ def _pool_metrics():
                  "Admission limit (prompt + max_tokens); 0 when no prefill and decode worker can serve", [],
                  [((), limit or 0)])
 
-def _admission_metrics():
+
+def admission_families():
     c = CounterMetricFamily("kvserve_admission_rejections", "Requests refused at admission (no row written), by reason",
                             labels=["reason"])
     counts = {"context_length_exceeded": 0, **admission_rejection_counts()}
@@ -65,12 +68,14 @@ def _admission_metrics():
     yield c
 
 
+# ---- the database: requests, incidents, canaries ---------------------------------------------------
+
 def _count_by(field: str, **filters) -> list:
     qs = ChatRequest.objects.filter(**filters).values(field).annotate(n=Count("pk")).order_by(field)
     return [((row[field],), row["n"]) for row in qs]
 
 
-def _db_metrics():
+def request_families():
     statuses = dict.fromkeys(ChatRequest.Status.values, 0)
     statuses.update({values[0]: n for values, n in _count_by("status")})
     yield _gauge("kvserve_chat_requests", "ChatRequest rows by status", ["status"],
@@ -84,18 +89,20 @@ def _db_metrics():
     yield _gauge("kvserve_decode_tokens_per_second",
                  f"Completion tokens of requests finished in the last {TOKENS_PER_SECOND_WINDOW_S} s, per second",
                  [], [((), tokens / TOKENS_PER_SECOND_WINDOW_S)])
+
+
+def incident_families():
     incidents = Incident.objects.values("kind", "severity").annotate(n=Count("pk")).order_by("kind", "severity")
     yield _gauge("kvserve_incidents", "Incidents recorded, by kind and severity", ["kind", "severity"],
                  [((row["kind"], row["severity"]), row["n"]) for row in incidents])
     yield _gauge("kvserve_incidents_open", "Incidents not resolved", [],
                  [((), Incident.objects.filter(resolved_at__isnull=True).count())])
+
+
+def canary_families():
     yield _gauge("kvserve_canary_runs", "Canary runs by result", ["result"],
                  [(("passed",), CanaryRun.objects.filter(passed=True).count()),
                   (("failed",), CanaryRun.objects.filter(passed=False).count())])
-    yield from _canary_latest_metrics()
-
-
-def _canary_latest_metrics():
     run = CanaryRun.objects.first()
     checks = [c for c in (run.checks or []) if isinstance(c, dict) and "name" in c] if run else []
     yield _gauge("kvserve_canary_check_passed", "1 when the check passed in the latest canary run", ["check"],
@@ -110,22 +117,60 @@ def _canary_latest_metrics():
                      [((), int(run.passed))])
 
 
+# (backend, the exception that means it is down, family sources). Add a family by adding a source to its
+# backend; a backend that fails leaves all of its families out of the scrape and reports kvserve_<name>_up 0.
+BACKENDS: tuple[tuple[str, type[Exception], tuple[Callable[[], Iterable[Metric]], ...]], ...] = (
+    ("redis", redis.RedisError, (pool_families, worker_families, admission_families)),
+    ("database", DatabaseError, (request_families, incident_families, canary_families)),
+)
+
+
 class KvserveCollector:
-    """Live state per scrape: nothing is counted in this process, so every web process reports the same."""
+    """Live state per rendering: nothing is counted in this process, so every web process reports the same."""
 
     def collect(self):
-        try:
-            live = [*_pool_metrics(), *_admission_metrics()]  # all or nothing, never half a pool
-            redis_up = 1
-        except redis.RedisError:
-            log.warning("/metrics: Redis unreachable; pool and admission metrics left out", exc_info=True)
-            live, redis_up = [], 0
-        yield from live
-        yield _gauge("kvserve_redis_up", "1 when Redis (ledger, registry) answered this scrape", [], [((), redis_up)])
-        yield from _db_metrics()
+        for name, down, sources in BACKENDS:
+            try:
+                families = [family for source in sources for family in source()]  # all or nothing
+                up = 1
+            except down:
+                log.warning("/metrics: %s unreachable; its metrics are left out", name, exc_info=True)
+                families, up = [], 0
+            yield from families
+            yield _gauge(f"kvserve_{name}_up", f"1 when {name} answered this scrape", [], [((), up)])
 
 
-def metrics_render() -> bytes:
+def _render() -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(KvserveCollector())
     return generate_latest(registry)
+
+
+class ScrapeCache:
+    """The latest rendering, served to every scrape within `ttl_s` of it. Renders one at a time: scrapes
+    that arrive while one renders wait for it and share its result."""
+
+    def __init__(self, render: Callable[[], bytes]):
+        self._render = render
+        self._lock = threading.Lock()
+        self._key, self._at, self._body = None, 0.0, b""
+        self.renders = 0
+
+    def get(self, key, ttl_s: float, now: float) -> bytes:
+        with self._lock:
+            if self._key == key and 0 <= now - self._at < ttl_s:
+                return self._body
+            body = self._render()
+            self._key, self._at, self._body = key, now, body
+            self.renders += 1
+            return body
+
+
+scrape_cache = ScrapeCache(_render)
+
+
+def metrics_render(now: float | None = None) -> bytes:
+    """The exposition text, at most KVSERVE_METRICS_CACHE_S old (0 renders every scrape)."""
+    now = time.monotonic() if now is None else now
+    key = (settings.REDIS_URL, settings.KVSERVE_LEDGER_PREFIX, settings.DATABASES["default"]["NAME"])
+    return scrape_cache.get(key, settings.KVSERVE_METRICS_CACHE_S, now)

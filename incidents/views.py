@@ -1,8 +1,11 @@
 """Operator pages: /dashboard/, /metrics, and the Workers admin page (release a quarantined worker)."""
+import hmac
+
 import redis
+from django.conf import settings
 from django.contrib import admin, messages
 from django.contrib.admin.views.decorators import staff_member_required
-from django.http import HttpResponse
+from django.http import HttpResponse, JsonResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_GET, require_http_methods
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
@@ -11,6 +14,7 @@ from incidents.admin import RELEASE_PERMISSION, admin_worker_release
 from incidents.metrics import metrics_render
 from incidents.pools import worker_admin_list
 from incidents.selectors import dashboard_get
+from kvserve.errors import error_body
 
 
 @staff_member_required
@@ -23,10 +27,31 @@ def dashboard_view(request):
     return response
 
 
+def metrics_access_error(request) -> JsonResponse | None:
+    """None when the scrape may read /metrics: no KVSERVE_METRICS_TOKEN is set, the request carries
+    `Authorization: Bearer <token>` (constant-time compare), or it comes from a logged-in staff user."""
+    token = settings.KVSERVE_METRICS_TOKEN
+    if not token or (request.user.is_active and request.user.is_staff):
+        return None
+    scheme, _, sent = request.META.get("HTTP_AUTHORIZATION", "").partition(" ")
+    if scheme.lower() == "bearer" and hmac.compare_digest(sent.strip().encode(), token.encode()):
+        return None
+    code = "invalid_metrics_token" if sent else "missing_metrics_token"
+    response = JsonResponse(error_body("/metrics needs 'Authorization: Bearer <KVSERVE_METRICS_TOKEN>' (in "
+                                       "Prometheus: the scrape config's `authorization` block).", code=code),
+                            status=401)
+    response["WWW-Authenticate"] = 'Bearer realm="kvserve metrics"'
+    return response
+
+
 @require_GET
 def metrics_view(request):
+    if (refused := metrics_access_error(request)) is not None:
+        return refused
     # text format 0.0.4: what prometheus_client itself serves by default; every Prometheus parses it
-    return HttpResponse(metrics_render(), content_type=CONTENT_TYPE_PLAIN_0_0_4)
+    response = HttpResponse(metrics_render(), content_type=CONTENT_TYPE_PLAIN_0_0_4)
+    response["Cache-Control"] = "no-store"
+    return response
 
 
 @require_http_methods(["GET", "POST"])

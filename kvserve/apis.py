@@ -9,19 +9,21 @@ from kvserve.selectors import health_get
 
 
 class HealthzApi(APIView):
-    """200 when a live prefill and a live decode worker can serve; 503 (same body + error) otherwise."""
+    """Anonymous: 200 while a live prefill and a live decode worker can serve, 503 otherwise, with the
+    effective context limit (prompt + max_tokens) a request must fit. Nothing about hosts or workers."""
 
     authentication_classes = []
     permission_classes = [AllowAny]
 
     class OutputSerializer(serializers.Serializer):
-        workers = serializers.ListField(child=serializers.DictField())
-        window = serializers.IntegerField()
-        effective_context_limit = serializers.IntegerField(allow_null=True)
-        error = serializers.CharField(required=False)
+        status = serializers.ChoiceField(choices=["ok", "unavailable"])
+        effective_context_limit = serializers.IntegerField(
+            allow_null=True, help_text="Most tokens (prompt + max_tokens) one request may use; null while unavailable.")
 
     @extend_schema(responses={200: OutputSerializer, 503: OutputSerializer})
     def get(self, request):
         body = health_get()
-        code = status.HTTP_503_SERVICE_UNAVAILABLE if "error" in body else status.HTTP_200_OK
-        return Response(self.OutputSerializer(body).data, status=code)
+        code = status.HTTP_200_OK if body["status"] == "ok" else status.HTTP_503_SERVICE_UNAVAILABLE
+        response = Response(self.OutputSerializer(body).data, status=code)
+        response["Cache-Control"] = "no-store"
+        return response

@@ -6,3 +6,4 @@ from kvserve.settings.redis import *  # noqa: F401,F403
 from kvserve.settings.celery import *  # noqa: F401,F403
 from kvserve.settings.engine import *  # noqa: F401,F403
 from kvserve.settings.api import *  # noqa: F401,F403
+from kvserve.settings.operations import *  # noqa: F401,F403

@@ -11,6 +11,11 @@ def env_int(name: str, default: int) -> int:
     return default if value in (None, "") else int(value)
 
 
+def env_float(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    return default if value in (None, "") else float(value)
+
+
 def env_bool(name: str, default: bool) -> bool:
     value = os.environ.get(name)
     if value in (None, ""):

@@ -1,10 +1,15 @@
-"""SECRET_KEY, the prefill->decode handoff key, DEBUG, allowed hosts and cookie hardening."""
+"""SECRET_KEY, the handoff and prompt-hash keys, the metrics token, DEBUG, allowed hosts, HTTPS hardening."""
 from kvserve.secrets import secret_get
-from kvserve.settings.env import env_bool, env_int, env_list
+from kvserve.settings.env import env_bool, env_int, env_list, env_str
 
-# Env first (DJANGO_SECRET_KEY / KVSERVE_HANDOFF_KEY), else generated once into var/secrets.json.
+# Env first (DJANGO_SECRET_KEY / KVSERVE_HANDOFF_KEY / ...), else generated once into var/secrets.json.
 SECRET_KEY = secret_get("DJANGO_SECRET_KEY")
 KVSERVE_HANDOFF_KEY = secret_get("KVSERVE_HANDOFF_KEY")
+# Keys ChatRequest.prompt_hash (HMAC-SHA256): equal prompts compare equal within a deployment, but a short
+# prompt cannot be found by hashing guesses without this key. Every web host must share it.
+KVSERVE_PROMPT_HASH_KEY = secret_get("KVSERVE_PROMPT_HASH_KEY")
+# /metrics asks for `Authorization: Bearer <token>` when this is set (staff sessions are let in too).
+KVSERVE_METRICS_TOKEN = env_str("KVSERVE_METRICS_TOKEN", "")
 
 DEBUG = env_bool("DJANGO_DEBUG", False)
 ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS", "127.0.0.1,localhost,testserver,[::1]")
@@ -14,6 +19,10 @@ CSRF_TRUSTED_ORIGINS = env_list("DJANGO_CSRF_TRUSTED_ORIGINS", "")
 HTTPS = env_bool("DJANGO_HTTPS", False)
 SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = SECURE_SSL_REDIRECT = HTTPS
 SECURE_HSTS_SECONDS = env_int("DJANGO_HSTS_SECONDS", 0) if HTTPS else 0
+SECURE_HSTS_INCLUDE_SUBDOMAINS = HTTPS and env_bool("DJANGO_HSTS_INCLUDE_SUBDOMAINS", False)
+SECURE_HSTS_PRELOAD = HTTPS and env_bool("DJANGO_HSTS_PRELOAD", False)
+# Load balancers probe health over plain HTTP inside the network; /healthz says nothing secret.
+SECURE_REDIRECT_EXEMPT = [r"^healthz$"]
 if env_bool("DJANGO_BEHIND_PROXY", False):
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
 SESSION_COOKIE_HTTPONLY = True

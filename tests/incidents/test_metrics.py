@@ -1,21 +1,37 @@
-"""/metrics: Prometheus text read from live state per scrape (ledger pools, DB rows, the Redis rejection counter)."""
+"""/metrics: Prometheus text read from live state (ledger pool counts, DB rows, the Redis rejection counter),
+behind a bearer token when one is set, one rendering per KVSERVE_METRICS_CACHE_S for any number of
+scrapers, and O(1) Redis commands per pool whatever its size (no page scan)."""
+import socket
+import subprocess
+import threading
+import time
 from datetime import timedelta
 
 import pytest
+import redis
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
+from django.contrib.auth.models import User
+
+from incidents.metrics import ScrapeCache, metrics_render, scrape_cache
 from incidents.models import CanaryRun
 from incidents.services import incident_record
 from kvserve.chat.metrics import admission_rejection_count_incr, admission_rejection_counts
 from kvserve.tenants.models import Tenant
+from inference.registry import Registry
 from tests.incidents.helpers import chat_request, live_worker
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("registry_settings")]
 
 
-def scrape(client) -> dict:
-    response = client.get("/metrics")
+@pytest.fixture(autouse=True)
+def fresh_scrapes(settings):
+    settings.KVSERVE_METRICS_CACHE_S = 0  # these tests follow state scrape by scrape; caching is tested below
+
+
+def scrape(client, **headers) -> dict:
+    response = client.get("/metrics", **headers)
     assert response.status_code == 200 and response["Content-Type"].startswith("text/plain; version=0.0.4")
     samples = {}
     for family in text_string_to_metric_families(response.content.decode()):
@@ -48,7 +64,7 @@ def test_metrics_read_live_state(client, registry, make_worker):
         {"name": "self_test", "passed": False, "duration_s": 2.0, "details": {"why": "no incident"}}])
 
     m = scrape(client)
-    assert m[("kvserve_redis_up", ())] == 1
+    assert m[("kvserve_redis_up", ())] == 1 and m[("kvserve_database_up", ())] == 1
     assert m[("kvserve_pool_pages", (("pool", "decode-1"), ("role", "decode"), ("state", "used")))] == 3
     assert m[("kvserve_pool_pages", (("pool", "decode-1"), ("role", "decode"), ("state", "free")))] == 7
     assert m[("kvserve_pool_pages", (("pool", "prefill-1"), ("role", "prefill"), ("state", "free")))] == 512
@@ -92,3 +108,113 @@ def test_admission_rejection_counter_never_raises(settings):
     assert admission_rejection_counts() == {"no_workers": 1}
     settings.REDIS_URL = "redis://127.0.0.1:1/15"
     admission_rejection_count_incr()  # logged, not raised
+
+
+# ---- access: a bearer token when KVSERVE_METRICS_TOKEN is set ------------------------------------------
+
+def test_token_is_required_when_set(client, settings):
+    settings.KVSERVE_METRICS_TOKEN = "s3cret-metrics-token"
+    for headers, code in (({}, "missing_metrics_token"),
+                          ({"HTTP_AUTHORIZATION": "Bearer wrong"}, "invalid_metrics_token"),
+                          ({"HTTP_AUTHORIZATION": "Bearer s3cret-metrics-tokenX"}, "invalid_metrics_token"),
+                          ({"HTTP_AUTHORIZATION": "Basic s3cret-metrics-token"}, "invalid_metrics_token")):
+        response = client.get("/metrics", **headers)
+        assert response.status_code == 401 and response["WWW-Authenticate"].startswith("Bearer")
+        assert response.json()["error"]["code"] == code and "KVSERVE_METRICS_TOKEN" in response.json()["error"]["message"]
+        assert b"kvserve_" not in response.content
+    assert ("kvserve_redis_up", ()) in scrape(client, HTTP_AUTHORIZATION="Bearer s3cret-metrics-token")
+    assert ("kvserve_redis_up", ()) in scrape(client, HTTP_AUTHORIZATION="bearer  s3cret-metrics-token")
+
+
+def test_staff_sessions_pass_and_other_users_do_not(client, settings):
+    settings.KVSERVE_METRICS_TOKEN = "s3cret-metrics-token"
+    client.force_login(User.objects.create_user("tenant-user", password="pw-123456789"))
+    assert client.get("/metrics").status_code == 401
+    client.force_login(User.objects.create_user("ops", password="pw-123456789", is_staff=True))
+    assert ("kvserve_redis_up", ()) in scrape(client)
+
+
+def test_no_token_set_means_open(client, settings):
+    settings.KVSERVE_METRICS_TOKEN = ""
+    assert ("kvserve_redis_up", ()) in scrape(client)
+
+
+# ---- cost: one rendering per window, O(1) Redis commands per pool ----------------------------------------
+
+def test_scrapes_within_the_window_share_one_rendering(client, settings, registry, make_worker):
+    settings.KVSERVE_METRICS_CACHE_S = 30
+    decode = live_worker(registry, make_worker, "decode", worker_id="decode-1", num_pages=10)
+    key = ("kvserve_pool_pages", (("pool", "decode-1"), ("role", "decode"), ("state", "used")))
+    first = scrape_cache.renders
+    assert scrape(client)[key] == 0
+    decode.allocate("r1", 4)
+    assert all(scrape(client)[key] == 0 for _ in range(5))  # the cached rendering
+    assert scrape_cache.renders == first + 1
+    assert b'state="used"} 4.0' in metrics_render(now=time.monotonic() + 31)  # the window passed: rendered anew
+    assert scrape_cache.renders == first + 2
+
+
+def test_concurrent_scrapes_wait_for_the_one_rendering():
+    started, release, calls = threading.Event(), threading.Event(), []
+
+    def slow_render():
+        calls.append(1)
+        started.set()
+        release.wait(30)
+        return b"body %d" % len(calls)
+
+    cache = ScrapeCache(slow_render)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(cache.get("k", 5.0, now=100.0))) for _ in range(8)]
+    threads[0].start()
+    started.wait(30)
+    for t in threads[1:]:
+        t.start()
+    release.set()
+    for t in threads:
+        t.join(30)
+    assert results == [b"body 1"] * 8 and cache.renders == 1
+    assert cache.get("k", 5.0, now=104.9) == b"body 1" and cache.get("k", 5.0, now=105.0) == b"body 2"
+    assert cache.get("other deployment", 5.0, now=105.0) == b"body 3"
+    assert cache.get("other deployment", 0, now=105.0) == b"body 4"  # 0: every scrape renders
+
+
+@pytest.fixture
+def private_redis():
+    """A redis-server of this test's own, so its command counts are this test's alone."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--maxmemory-policy", "noeviction"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(port=port)
+    for _ in range(100):
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    yield f"redis://127.0.0.1:{port}/0", client
+    client.close()
+    proc.terminate()
+    proc.wait(10)
+
+
+def test_a_scrape_costs_a_few_commands_per_pool_whatever_its_size(client, settings, make_worker, private_redis):
+    url, r = private_redis
+    settings.REDIS_URL = url
+    registry = Registry(r, prefix=settings.KVSERVE_LEDGER_PREFIX, ttl_s=15)
+    big = live_worker(registry, make_worker, "decode", worker_id="decode-big", num_pages=42_580)
+    live_worker(registry, make_worker, "prefill", worker_id="prefill-1", num_pages=512)
+    big.allocate("r1", 1000)
+    r.config_resetstat()
+    m = scrape(client)
+    assert m[("kvserve_pool_pages", (("pool", "decode-big"), ("role", "decode"), ("state", "free")))] == 41_580
+    stats = r.info("commandstats")
+    calls = {name.removeprefix("cmdstat_"): v["calls"] for name, v in stats.items()}
+    assert not {"eval", "evalsha", "lrange", "lpos", "zrange"} & calls.keys(), calls  # no script, no page read
+    assert calls.get("hgetall") == 1, calls  # the admission-rejection counters; never a pool's hash
+    per_pool = sum(calls.get(c, 0) for c in ("hmget", "llen", "scard", "hlen"))
+    assert per_pool == 4 * 2, calls  # four counts per pool, in one MULTI
+    assert sum(calls.values()) <= 40, calls  # and none of them grows with the pool

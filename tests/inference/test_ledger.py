@@ -18,6 +18,7 @@ from inference.ledger import (
     judge_eviction_policy,
     ledger_from_url,
     measure_latency,
+    pool_counts,
 )
 
 URL = os.environ.get("KVSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
@@ -232,6 +233,27 @@ def test_snapshot_and_owner_queries(pool):
     }
     assert pool.owner_of(3) == ("c", 4)
     assert pool.owner_of(7) is None
+
+
+def test_pool_counts_match_the_snapshot_for_every_pool(pool, redis_client, ledger_prefix):
+    other = RedisLedger.register(redis_client, "p1", "prefill", num_pages=5, page_size=16, prefix=ledger_prefix)
+    pool.allocate("a", 2)
+    pool.allocate("b", 1)
+    pool.reap_expired(now_ms=10**15)  # a's and b's pages: dirty
+    pool.allocate("c", 2)
+    other.allocate("x", 4)
+    redis_client.lrem(pool.key("free"), 0, 7)  # a page in no state
+    counts = {c.pool_id: c for c in pool_counts(redis_client, ledger_prefix)}
+    assert sorted(counts) == ["p0", "p1"]
+    for ledger in (pool, other):
+        states = [s if isinstance(s, str) else "used" for s in ledger.snapshot().values()]
+        c = counts[ledger.pool_id]
+        assert (c.role, c.num_pages) == (ledger.role, ledger.num_pages)
+        assert (c.used, c.free, c.dirty, c.lost) == tuple(states.count(k) for k in ("used", "free", "dirty", "lost"))
+    assert (counts["p0"].used, counts["p0"].dirty, counts["p0"].lost) == (2, 3, 1)
+    other.unregister()
+    assert [c.pool_id for c in pool_counts(redis_client, ledger_prefix)] == ["p0"]
+    assert pool_counts(redis_client, ledger_prefix + "-none") == []
 
 
 def _corrupt_setup(pool):
