@@ -45,6 +45,11 @@ class BlockManager:
                  faults: Faults = NO_FAULTS):
         if scrub_policy not in SCRUB_POLICIES:
             raise ValueError(f"scrub policy {scrub_policy!r}: use one of {SCRUB_POLICIES}")
+        if scrub_policy == "off" and "no_scrub" not in faults:
+            raise ValueError(
+                "KVSERVE_SCRUB=off would hand freed pages, still holding the previous request's KV, to the next "
+                "owner; scrubbing is switched off only by fault injection (tests, the canary sandbox): set "
+                "KVSERVE_FAULTS=no_scrub to mean it, or serve with KVSERVE_SCRUB=on_free (the default) or on_alloc")
         if "no_scrub" in faults:
             scrub_policy = "off"
         if allocator.num_pages != pool.num_pages:

@@ -80,7 +80,9 @@ def consumer_toggle(role: str, active: bool) -> None:
 
 
 def worker_started(hostname: str) -> None:
-    """Celery worker_init hook: builds the engine for prefill/decode workers; refuses to start on an unsafe pool."""
+    """Celery worker_init hook: builds the engine for prefill/decode workers; refuses to start (exit 3) on an
+    unsafe pool or a configuration the engine refuses (e.g. KVSERVE_SCRUB=off without the no_scrub fault).
+    Celery logs and swallows a hook's exceptions, which would leave a worker consuming without an engine."""
     from inference.worker import WindowTooLarge
 
     role = role_from_argv()
@@ -89,7 +91,7 @@ def worker_started(hostname: str) -> None:
     _runtime["hostname"] = hostname
     try:
         runtime_start(role)
-    except WindowTooLarge as exc:
+    except (WindowTooLarge, ValueError) as exc:
         log.critical("refusing to start the %s worker: %s", role, exc)
         print(f"kvserve: refusing to start the {role} worker: {exc}", file=sys.stderr, flush=True)
         os._exit(3)

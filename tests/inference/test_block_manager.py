@@ -2,6 +2,7 @@ import pytest
 
 from inference.allocator import LocalAllocator
 from inference.block_manager import BlockManager, OwnershipViolation
+from inference.engine import Engine, EngineConfig
 from inference.faults import Faults
 from inference.kv_cache import PagePool
 from inference.sequence import SamplingParams, Sequence
@@ -113,3 +114,16 @@ def test_unknown_faults_and_policies_are_refused_with_the_known_names():
         Faults.parse("no_scrubbing")
     with pytest.raises(ValueError, match="on_free"):
         setup(scrub="sometimes")
+
+
+def test_scrub_off_is_refused_unless_the_no_scrub_fault_is_set(monkeypatch, tiny_model):
+    with pytest.raises(ValueError, match="KVSERVE_FAULTS=no_scrub"):
+        setup(scrub="off")
+    bm, _ = setup(scrub="off", faults="no_scrub")
+    assert bm.scrub_policy == "off"
+    monkeypatch.setenv("KVSERVE_SCRUB", "off")  # the worker's path: the environment, then the engine
+    monkeypatch.delenv("KVSERVE_FAULTS", raising=False)
+    with pytest.raises(ValueError, match="KVSERVE_SCRUB=off .* set KVSERVE_FAULTS=no_scrub"):
+        Engine(tiny_model, EngineConfig.from_env(num_pages=8, device="cpu"))
+    monkeypatch.setenv("KVSERVE_FAULTS", "no_scrub")
+    assert Engine(tiny_model, EngineConfig.from_env(num_pages=8, device="cpu")).block_manager.scrub_policy == "off"
