@@ -1,8 +1,21 @@
 """Per-request output events on a Redis stream: decode appends deltas and one final event; the API
 reads them (blocking) for SSE and for non-streamed answers. No subscribe/publish race: a reader that
-arrives late still sees every event from the start."""
+arrives late still sees every event from the start.
+
+Retention: while a request runs its stream lives `ttl_s` past its latest event; the final event cuts
+that to the retention the API recorded at admission (`retain`), or to `replay_s` when none was."""
 import json
 import time
+
+# KEYS: stream, retention; ARGV: event json, fallback seconds, maxlen. The final event and its expiry in one step.
+_FINAL_LUA = """
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', 'e', ARGV[1])
+local keep = tonumber(redis.call('GET', KEYS[2])) or tonumber(ARGV[2])
+redis.call('EXPIRE', KEYS[1], keep)
+if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('EXPIRE', KEYS[2], keep) end
+return keep
+"""
+MAXLEN = 100_000
 
 
 def decode_entries(reply) -> list[tuple[bytes, dict]]:
@@ -15,13 +28,22 @@ def is_final(event: dict) -> bool:
 
 
 class OutputStream:
-    def __init__(self, redis, prefix: str = "kvs", ttl_s: int = 3600):
+    def __init__(self, redis, prefix: str = "kvs", ttl_s: int = 3600, replay_s: int = 60):
         self.redis = redis
         self.prefix = prefix
         self.ttl_s = ttl_s
+        self.replay_s = replay_s
+        self._final = redis.register_script(_FINAL_LUA)
 
     def key(self, request_id: str) -> str:
         return f"{self.prefix}:out:{request_id}"
+
+    def retention_key(self, request_id: str) -> str:
+        return f"{self.prefix}:out:{request_id}:keep"
+
+    def retain(self, request_id: str, keep_s: int) -> None:
+        """Records, before the request is queued, how long its stream stays after its final event."""
+        self.redis.set(self.retention_key(request_id), int(keep_s), ex=self.ttl_s + int(keep_s))
 
     def publish_many(self, events: list[tuple[str, dict]]) -> None:
         """[(request_id, event)] in one round trip. Event types: delta, done, error."""
@@ -29,8 +51,13 @@ class OutputStream:
             return
         pipe = self.redis.pipeline(transaction=False)
         for request_id, event in events:
-            pipe.xadd(self.key(request_id), {"e": json.dumps(event)}, maxlen=100_000, approximate=True)
-            pipe.expire(self.key(request_id), self.ttl_s)
+            key = self.key(request_id)
+            if is_final(event):
+                self._final(keys=[key, self.retention_key(request_id)], args=[json.dumps(event), self.replay_s, MAXLEN],
+                            client=pipe)
+            else:
+                pipe.xadd(key, {"e": json.dumps(event)}, maxlen=MAXLEN, approximate=True)
+                pipe.expire(key, self.ttl_s)
         pipe.execute()
 
     def reads_key(self) -> str:

@@ -1,6 +1,7 @@
 """Tokenizer and chat template: byte-level BPE from GGUF metadata or tokenizer.json, the template
 rendered with jinja2 in a sandbox, EOS ids for stop handling."""
 from dataclasses import dataclass
+from functools import cached_property
 
 import jinja2.sandbox
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
@@ -43,6 +44,15 @@ class ChatTokenizer:
         env.globals["raise_exception"] = _raise
         self._template = env.from_string(self.chat_template)
         self.vocab_size = self.tokenizer.get_vocab_size()
+
+    @cached_property
+    def max_token_chars(self) -> int | None:
+        """The most characters one token can stand for: its longest vocabulary or special-token string (a
+        byte-level string has one character per byte, and a byte is at least one character). So a text of n
+        characters is at least n / max_token_chars tokens. None with a normalizer, which may contract text."""
+        if self.tokenizer.normalizer is not None:
+            return None
+        return max(len(token) for token in self.tokenizer.get_vocab(with_added_tokens=True))
 
     def encode(self, text: str) -> list[int]:
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids

@@ -1,8 +1,11 @@
 """Chat request lifecycle: admission and queueing (web), prefill and decode (workers), failure and
 orphan reaping. Every state change of a ChatRequest row goes through here."""
 import hashlib
+import hmac
 import json
 import logging
+import math
+import threading
 import uuid
 from functools import lru_cache
 
@@ -32,6 +35,43 @@ def tokenizer_get():
     return load_tokenizer()
 
 
+class _Count:
+    def __init__(self):
+        self.value, self._lock = 0, threading.Lock()
+
+    def incr(self) -> None:
+        with self._lock:
+            self.value += 1
+
+
+_prompts_tokenized = _Count()
+
+
+def _prompt_encode(tokenizer, prompt: str) -> list[int]:
+    """The one place the web process tokenizes a prompt; counted, so that what never gets here is observable."""
+    _prompts_tokenized.incr()
+    return tokenizer.encode(prompt)
+
+
+def prompts_tokenized() -> int:
+    """Prompts this process has tokenized since it started."""
+    return _prompts_tokenized.value
+
+
+def prompt_hash(prompt: str) -> str:
+    """HMAC-SHA256 of the rendered prompt under the deployment's KVSERVE_PROMPT_HASH_KEY: equal prompts
+    compare equal, but nobody without the key can confirm a guessed (short) prompt against a stored hash."""
+    return hmac.new(settings.KVSERVE_PROMPT_HASH_KEY.encode(), prompt.encode(), hashlib.sha256).hexdigest()
+
+
+def _context_length_exceeded(limit: int, total: str, prompt: str, max_tokens: int) -> ApiError:
+    admission_rejection_count_incr()
+    return ApiError(
+        f"This model's maximum context length is {limit} tokens. However, you requested {total} tokens "
+        f"({prompt} in the messages, {max_tokens} in the completion). Please reduce the length "
+        f"of the messages or completion.", param="messages", code="context_length_exceeded")
+
+
 def sampling_params(req: ChatRequest) -> SamplingParams:
     p = req.params
     return SamplingParams(max_tokens=req.max_tokens, temperature=p.get("temperature", 0.0), top_p=p.get("top_p", 1.0),
@@ -46,19 +86,22 @@ def chat_request_create(*, api_key, messages: list[dict], max_tokens: int, param
     before any row is written, any page reserved or any task queued."""
     tokenizer, _, model_name = tokenizer_get()
     prompt = tokenizer.render_chat(messages)
-    prompt_ids = tokenizer.encode(prompt)
     limit = registry_get().effective_limit()
     if limit is None:
         admission_rejection_count_incr("no_workers")
         raise ApiError("no live prefill and decode workers are registered; try again shortly",
                        status_code=503, type="service_unavailable", code="no_workers")
-    total = len(prompt_ids) + max_tokens
-    if total > limit:
-        admission_rejection_count_incr()
-        raise ApiError(
-            f"This model's maximum context length is {limit} tokens. However, you requested {total} tokens "
-            f"({len(prompt_ids)} in the messages, {max_tokens} in the completion). Please reduce the length "
-            f"of the messages or completion.", param="messages", code="context_length_exceeded")
+    # Before tokenizing (which costs seconds per MB here): no token covers more than max_token_chars
+    # characters, so a longer prompt than that many limits can never fit, and is never tokenized.
+    per_token = tokenizer.max_token_chars
+    if per_token and len(prompt) > per_token * limit:
+        least = math.ceil(len(prompt) / per_token)
+        raise _context_length_exceeded(limit, f"at least {least + max_tokens}", f"at least {least}: {len(prompt)} "
+                                       f"characters, and no token of this model covers more than {per_token}",
+                                       max_tokens)
+    prompt_ids = _prompt_encode(tokenizer, prompt)
+    if len(prompt_ids) + max_tokens > limit:
+        raise _context_length_exceeded(limit, str(len(prompt_ids) + max_tokens), str(len(prompt_ids)), max_tokens)
     tenant = api_key.tenant
     params = dict(params)
     if params.get("seed") is None:
@@ -66,13 +109,15 @@ def chat_request_create(*, api_key, messages: list[dict], max_tokens: int, param
     req = ChatRequest.objects.create(
         id=f"chatcmpl-{uuid.uuid4().hex}", tenant=tenant, api_key=api_key, model=model_name, stream=stream,
         params=params, max_tokens=max_tokens, prompt_tokens=len(prompt_ids),
-        prompt_hash=hashlib.sha256(prompt.encode()).hexdigest(),
+        prompt_hash=prompt_hash(prompt),
         prompt_text=json.dumps(messages) if tenant.store_text else None,
     )
     from kvserve.chat.tasks import prefill
 
     def enqueue():
-        try:
+        try:  # the stream's retention is recorded before any worker can publish its final event
+            outputs_get().retain(req.id, settings.KVSERVE_STREAM_RETENTION_S if tenant.store_text
+                                 else settings.KVSERVE_STREAM_REPLAY_S)
             prefill.delay(req.id, prompt_ids)
         except Exception:  # broker down: the row must not sit queued forever
             chat_request_fail(req, code="backend_unavailable", message="the task queue is unreachable")

@@ -1,14 +1,17 @@
 """The chat API against a fake worker: OpenAI response shapes (JSON and SSE), admission, bad input (always a
 clear 4xx), worker failures (503, never a 200 with content), throttling, tenant isolation, the schema."""
+import hashlib
+import hmac
 import json
 
 import pytest
 from django.db import transaction
 
-from kvserve.chat import tasks
+from kvserve.chat import services, tasks
 from kvserve.chat.models import ChatRequest
 from kvserve.chat.selectors import model_get
 from kvserve.chat.services import tokenizer_get
+from kvserve.tenants.models import Tenant
 from kvserve.tenants.services import api_key_create
 from tests.api.chat_helpers import FakeWorker, sse_events, streaming_body
 from tests.conftest import TEST_REDIS_URL
@@ -213,6 +216,55 @@ def test_overlong_request_is_400_with_numbers_and_nothing_queued(client, chat_en
     assert "4096" in error["message"] and str(prompt_tokens + 4090) in error["message"]
     assert str(prompt_tokens) in error["message"] and "4090" in error["message"]
     assert ChatRequest.objects.count() == 0 and chat_env.calls == []
+
+
+def test_the_served_vocabulary_bounds_characters_per_token():
+    tokenizer = tokenizer_get()[0]
+    assert tokenizer.max_token_chars == 81  # SmolLM2: a newline and 80 spaces; no token covers more
+    vocab = tokenizer.tokenizer.get_vocab(with_added_tokens=True)
+    assert max(len(tokenizer.tokenizer.decode([i], skip_special_tokens=False)) for i in vocab.values()) <= 81
+
+
+def test_a_1_mb_prompt_is_refused_without_being_tokenized(client, chat_env, key, settings):
+    settings.KVSERVE_MAX_BODY_BYTES = 2 * 2**20
+    before = services.prompts_tokenized()
+    response = post(client, key, {"messages": [{"role": "user", "content": "x" * 2**20}], "max_tokens": 16})
+    error = assert_error(response, 400, code="context_length_exceeded", param="messages")
+    assert "4096" in error["message"] and "characters" in error["message"] and "81" in error["message"]
+    assert services.prompts_tokenized() == before  # the cheap bound answered; the tokenizer never ran
+    assert ChatRequest.objects.count() == 0 and chat_env.calls == []
+    # under the bound it is tokenized, and the token count decides
+    response = post(client, key, {"messages": [{"role": "user", "content": "x " * 40_000}], "max_tokens": 16})
+    error = assert_error(response, 400, code="context_length_exceeded")
+    assert "characters" not in error["message"] and services.prompts_tokenized() == before + 1
+
+
+def test_prompt_hash_is_keyed_by_the_deployment_secret(client, chat_env, key, settings):
+    prompt = tokenizer_get()[0].render_chat(MESSAGES)
+    first = ChatRequest.objects.get(id=post(client, key, OK).json()["id"])
+    assert first.prompt_hash == hmac.new(settings.KVSERVE_PROMPT_HASH_KEY.encode(), prompt.encode(),
+                                         hashlib.sha256).hexdigest()
+    assert first.prompt_hash != hashlib.sha256(prompt.encode()).hexdigest()  # no dictionary attack on it
+    assert ChatRequest.objects.get(id=post(client, key, OK).json()["id"]).prompt_hash == first.prompt_hash
+    settings.KVSERVE_PROMPT_HASH_KEY = "another-deployment"
+    assert ChatRequest.objects.get(id=post(client, key, OK).json()["id"]).prompt_hash != first.prompt_hash
+
+
+@pytest.mark.parametrize("store_text", [False, True])
+def test_stream_retention_follows_store_text(client, chat_env, registry_redis, settings, store_text):
+    from kvserve.workers import outputs_get
+
+    settings.KVSERVE_STREAM_REPLAY_S, settings.KVSERVE_STREAM_RETENTION_S = 45, 3000
+    api_key, raw = api_key_create("retained" if store_text else "private")
+    Tenant.objects.filter(pk=api_key.tenant_id).update(store_text=store_text)
+    done = post(client, raw, OK).json()["id"]  # the fake worker publishes deltas and done, as decode does
+    chat_env.events = [{"type": "delta", "text": "partial"}]
+    post(client, raw, {**OK, "stream": True})  # a stream: answered before the request ends
+    failed = ChatRequest.objects.get(id=chat_env.calls[-1][0])
+    services.chat_request_fail(failed, code="worker_lost", message="gone")  # a final event from the web side
+    for request_id in (done, failed.id):
+        ttl = registry_redis.ttl(outputs_get().key(request_id))
+        assert (2900 < ttl <= 3000) if store_text else (0 < ttl <= 45), (request_id, ttl)
 
 
 def test_no_live_workers_is_503(client, chat_env, key, registry):
