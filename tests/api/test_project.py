@@ -1,10 +1,17 @@
-"""Project plumbing: generated secrets, Celery queue routing and delivery settings."""
+"""Project plumbing: generated secrets, Celery queue routing and delivery settings, the deploy checks."""
 import json
+import os
+import re
 import stat
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from kvserve import celery_app
 from kvserve.secrets import secret_get
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_secret_from_env_wins(tmp_path, monkeypatch):
@@ -39,3 +46,33 @@ def test_celery_routes_and_delivery_settings():
     assert conf.worker_prefetch_multiplier == 1
     assert conf.accept_content == ["json"]
     assert conf.beat_scheduler == "django_celery_beat.schedulers:DatabaseScheduler"
+
+
+# ---- manage.py check --deploy: nothing printed that README does not document ---------------------------
+
+PRODUCTION_ENV = {  # README "Production settings"
+    "DJANGO_DEBUG": "0", "DJANGO_SECRET_KEY": "pG4r9Lw2Zq7Xe1Tb8Nc5Vy3Mh6Kd0Js-Fa_Ru" * 2, "DJANGO_ALLOWED_HOSTS": "kvserve.example.com",
+    "DJANGO_HTTPS": "1", "DJANGO_HSTS_SECONDS": "31536000", "DJANGO_HSTS_INCLUDE_SUBDOMAINS": "1",
+    "DJANGO_HSTS_PRELOAD": "1", "DJANGO_BEHIND_PROXY": "1", "KVSERVE_METRICS_TOKEN": "scrape-token",
+}
+
+
+def check_deploy(tmp_path, **env) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("DJANGO_", "KVSERVE_METRICS"))}
+    return subprocess.run([sys.executable, "manage.py", "check", "--deploy"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**base, "KVSERVE_SECRETS_FILE": str(tmp_path / "s.json"),
+                                                       **env})
+
+
+def test_check_deploy_is_silent_with_production_settings(tmp_path):
+    out = check_deploy(tmp_path, **PRODUCTION_ENV)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "System check identified no issues (0 silenced)." and out.stderr == "", out
+
+
+def test_check_deploy_with_the_embedded_defaults_prints_only_what_readme_documents(tmp_path):
+    out = check_deploy(tmp_path)
+    printed = set(re.findall(r"\((\w+\.[A-Z]\d+)\)", out.stdout + out.stderr))
+    assert printed == {"security.W004", "security.W008", "security.W012", "security.W016"}, out.stdout
+    readme = (ROOT / "README.md").read_text()
+    assert all(check in readme for check in printed)
