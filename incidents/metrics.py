@@ -1,6 +1,7 @@
 """Prometheus exposition for /metrics: metric families from live state (Redis, the database), rendered at
-most once per KVSERVE_METRICS_CACHE_S in this process however many scrapers ask. One rendering costs
-two Redis round trips for every pool (counts, never a page scan), one for the workers and a few queries."""
+most once per KVSERVE_METRICS_CACHE_S in this process however many scrapers ask. One rendering costs two
+Redis round trips for all pools together (four O(1) counts per pool, never a page scan), a few for the
+workers, and a handful of database aggregates."""
 import logging
 import threading
 import time

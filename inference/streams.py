@@ -12,7 +12,7 @@ _FINAL_LUA = """
 redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', 'e', ARGV[1])
 local keep = tonumber(redis.call('GET', KEYS[2])) or tonumber(ARGV[2])
 redis.call('EXPIRE', KEYS[1], keep)
-if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('EXPIRE', KEYS[2], keep) end
+redis.call('EXPIRE', KEYS[2], keep)
 return keep
 """
 MAXLEN = 100_000
@@ -53,8 +53,8 @@ class OutputStream:
         for request_id, event in events:
             key = self.key(request_id)
             if is_final(event):
-                self._final(keys=[key, self.retention_key(request_id)], args=[json.dumps(event), self.replay_s, MAXLEN],
-                            client=pipe)
+                self._final(keys=[key, self.retention_key(request_id)],
+                            args=[json.dumps(event), self.replay_s, MAXLEN], client=pipe)
             else:
                 pipe.xadd(key, {"e": json.dumps(event)}, maxlen=MAXLEN, approximate=True)
                 pipe.expire(key, self.ttl_s)

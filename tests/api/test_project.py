@@ -51,7 +51,8 @@ def test_celery_routes_and_delivery_settings():
 # ---- manage.py check --deploy: nothing printed that README does not document ---------------------------
 
 PRODUCTION_ENV = {  # README "Production settings"
-    "DJANGO_DEBUG": "0", "DJANGO_SECRET_KEY": "pG4r9Lw2Zq7Xe1Tb8Nc5Vy3Mh6Kd0Js-Fa_Ru" * 2, "DJANGO_ALLOWED_HOSTS": "kvserve.example.com",
+    "DJANGO_DEBUG": "0", "DJANGO_SECRET_KEY": "pG4r9Lw2Zq7Xe1Tb8Nc5Vy3Mh6Kd0Js-Fa_Ru" * 2,
+    "DJANGO_ALLOWED_HOSTS": "kvserve.example.com",
     "DJANGO_HTTPS": "1", "DJANGO_HSTS_SECONDS": "31536000", "DJANGO_HSTS_INCLUDE_SUBDOMAINS": "1",
     "DJANGO_HSTS_PRELOAD": "1", "DJANGO_BEHIND_PROXY": "1", "KVSERVE_METRICS_TOKEN": "scrape-token",
 }

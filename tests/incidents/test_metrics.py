@@ -120,7 +120,8 @@ def test_token_is_required_when_set(client, settings):
                           ({"HTTP_AUTHORIZATION": "Basic s3cret-metrics-token"}, "invalid_metrics_token")):
         response = client.get("/metrics", **headers)
         assert response.status_code == 401 and response["WWW-Authenticate"].startswith("Bearer")
-        assert response.json()["error"]["code"] == code and "KVSERVE_METRICS_TOKEN" in response.json()["error"]["message"]
+        error = response.json()["error"]
+        assert error["code"] == code and "KVSERVE_METRICS_TOKEN" in error["message"]
         assert b"kvserve_" not in response.content
     assert ("kvserve_redis_up", ()) in scrape(client, HTTP_AUTHORIZATION="Bearer s3cret-metrics-token")
     assert ("kvserve_redis_up", ()) in scrape(client, HTTP_AUTHORIZATION="bearer  s3cret-metrics-token")
