@@ -210,10 +210,6 @@ class Engine:
         seq = self.seqs.get(request_id)
         return (list(seq.block_table), list(seq.page_epochs)) if seq is not None and seq.block_table else None
 
-    def lease_owners(self) -> list[str]:
-        """Requests holding pages right now: the owners whose leases the host keeps renewing."""
-        return [rid for rid, seq in list(self.seqs.items()) if seq.block_table]
-
     def pop_finished(self) -> list[Sequence]:
         """Drops and returns every finished (or failed) sequence the engine still keeps for its caller."""
         done = [seq for seq in self.seqs.values() if seq.is_done and not seq.block_table]

@@ -3,6 +3,10 @@ an engine step for an outcome the worker handles itself. A grant Redis cannot an
 a free the ledger refuses (the owner's pages were reaped: its lease is lost) or cannot take (Redis
 unreachable) is recorded for the worker loop, which fails or retries it. The pages themselves are
 forgotten and scrubbed by the engine either way, so nothing here can leave data readable.
+
+It also keeps the set of owners this process holds leases for, changed under one lock with every grant
+and free, and `beat` renews exactly that set under the same lock: the worker's own reaper can never
+take a lease it granted and still uses, however long the process was paused between the two.
 """
 import logging
 import threading
@@ -23,6 +27,7 @@ class HostLedger:
     def __init__(self, ledger: RedisLedger):
         self.ledger = ledger
         self._lock = threading.Lock()
+        self._held: dict[str, int] = {}  # owner -> pages this process was granted and has not given back
         self._refused: set[str] = set()  # owners whose pages the ledger no longer listed as theirs
         self._deferred: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []  # frees Redis could not take
         self.pool_lost: str | None = None  # why, when a free found the pool gone
@@ -37,11 +42,22 @@ class HostLedger:
         return self._grant(self.ledger.extend, owner, n)
 
     def _grant(self, grant, owner, n):
-        try:
-            return grant(owner, n)
-        except UNREACHABLE as exc:  # a grant whose reply was lost is reaped when its lease runs out
-            log.warning("ledger unreachable, %s waits for %d pages: %r", owner, n, exc)
-            return None
+        with self._lock:
+            try:
+                got = grant(owner, n)
+            except UNREACHABLE as exc:  # a grant whose reply was lost is reaped when its lease runs out
+                log.warning("ledger unreachable, %s waits for %d pages: %r", owner, n, exc)
+                return None
+            if got is not None and got.pages:
+                self._held[owner] = self._held.get(owner, 0) + len(got.pages)
+            return got
+
+    def _gave_back(self, owner: str, n: int | None) -> None:
+        left = 0 if n is None else self._held.get(owner, 0) - n
+        if left > 0:
+            self._held[owner] = left
+        else:
+            self._held.pop(owner, None)
 
     def free(self, owner: str, pages: Sequence[int], epochs: Sequence[int]) -> None:
         pages, epochs = tuple(pages), tuple(epochs)
@@ -53,10 +69,14 @@ class HostLedger:
             log.warning("lease lost: the ledger refused to free %s's pages %s: %s", owner, list(pages), exc)
             with self._lock:
                 self._refused.add(owner)
-        except UNREACHABLE as exc:
+                self._gave_back(owner, None)
+        except UNREACHABLE as exc:  # still held (and renewed) until the free goes through
             log.warning("ledger unreachable, freeing %s's pages later: %r", owner, exc)
             with self._lock:
                 self._deferred.append((owner, pages, epochs))
+        else:
+            with self._lock:
+                self._gave_back(owner, len(pages))
 
     def release(self, owner: str) -> list[int]:
         """Frees what the ledger lists for `owner`; [] when it cannot (its lease runs out and is reaped)."""
@@ -66,7 +86,20 @@ class HostLedger:
             self.pool_lost = str(exc)
         except (LedgerError, *UNREACHABLE) as exc:
             log.warning("could not release %s's pages (its lease will be reaped): %r", owner, exc)
+        finally:
+            self.forget(owner)
         return []
+
+    def forget(self, owner: str) -> None:
+        """`owner` no longer holds anything this process renews (its pages were reclaimed or released)."""
+        with self._lock:
+            self._gave_back(owner, None)
+
+    def beat(self, now_ms: int | None = None):
+        """The pool's heartbeat (RedisLedger.beat) renewing every owner this process holds, atomically with
+        respect to its grants and frees."""
+        with self._lock:
+            return self.ledger.beat(sorted(self._held), now_ms=now_ms)
 
     def take_refused(self) -> set[str]:
         """Owners whose free was refused since the last call: their leases were lost."""
@@ -87,10 +120,12 @@ class HostLedger:
                 return
             except LedgerError as exc:  # already freed by a call whose reply was lost, or reaped
                 log.info("deferred free of %s's pages dropped: %s", owner, exc)
+            with self._lock:
+                self._gave_back(owner, len(pages))
 
     def reset(self) -> None:
         """A new pool generation: what was recorded about the old one no longer applies."""
         with self._lock:
-            self._refused, self._deferred = set(), []
+            self._held, self._refused, self._deferred = {}, set(), []
         self.ledger.reset()
         self.pool_lost = None

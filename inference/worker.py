@@ -216,7 +216,6 @@ class WorkerRuntime:
         self._pending: deque[DecodeCommand] = deque()  # verified decodes waiting for pages
         self._outbox: list[tuple[str, dict]] = []  # output events Redis has not taken yet
         self._unclean: list[int] = []  # scrubbed pages whose mark_clean Redis has not taken yet
-        self._owners: tuple[str, ...] = ()  # lease owners, published by the loop for the heartbeat
         self._pool_down: str | None = None  # why, while the pool waits to be registered again
         self._next_register = 0.0
         self._next_cancel_poll = 0.0
@@ -341,7 +340,6 @@ class WorkerRuntime:
                 self._handle(e.step())
             if self._host.pool_lost:
                 raise PoolLost(self._host.pool_lost)
-            self._owners = tuple(e.lease_owners())
             self._failures = 0
         except PoolLost as exc:
             self._lose_pool(str(exc))
@@ -398,12 +396,13 @@ class WorkerRuntime:
         for rid in owners:
             held = self.engine.pages_of(rid)
             try:
-                if not held or self.ledger.holds(rid, *held):
-                    continue
+                if held and self.ledger.holds(rid, *held):
+                    continue  # granted again since the beat
             except UNREACHABLE:
                 return  # the next beat asks again
-            for seq in self.engine.reclaim(held[0]):
-                self._lease_lost(seq.request_id, held[0])
+            if held:
+                for seq in self.engine.reclaim(held[0]):
+                    self._lease_lost(seq.request_id, held[0])
             self._host.release(rid)  # whatever the ledger still lists for it (scrubbed above)
 
     def _admit_pending(self) -> None:
@@ -477,6 +476,7 @@ class WorkerRuntime:
                     fut.set_result(seq)
 
     def _lease_lost(self, rid: str, pages) -> None:
+        self._host.forget(rid)
         self._fail(rid, "lease_lost", LEASE_LOST_ERROR)
         try:
             self.on_lease_lost(self, rid, list(pages))
@@ -503,7 +503,7 @@ class WorkerRuntime:
         self.engine.reset_pool(reason)
         self._fail_all("pool_lost", POOL_LOST_ERROR)
         self._pending.clear()
-        self._unclean, self._owners, self._pool_down, self._next_register = [], (), reason, 0.0
+        self._unclean, self._pool_down, self._next_register = [], reason, 0.0
         self._register_again()
 
     def _register_again(self) -> None:
@@ -603,7 +603,7 @@ class WorkerRuntime:
             return  # not advertised until the loop registered the pool again
         generation = self.ledger.generation
         try:
-            beat = self.ledger.beat(self._owners, now_ms=now_ms)
+            beat = self._host.beat(now_ms=now_ms)
             dirty = self.ledger.take_dirty(self.worker_id)
         except PoolLost as exc:
             self._commands.put(PoolLostCommand(generation, str(exc)))
