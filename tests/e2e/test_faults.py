@@ -321,7 +321,7 @@ def test_a_worker_whose_loop_cannot_go_on_unregisters_and_exits_non_zero(fstack)
 
 # ---- Redis restarted empty ---------------------------------------------------------------------------
 
-def test_redis_restarted_empty_ends_every_request_and_the_workers_serve_again(tmp_path, tiny_paths):
+def test_redis_restarted_empty_or_paused_ends_every_request_and_the_workers_serve_again(tmp_path, tiny_paths):
     server = OwnRedis(tmp_path).start()
     stack = Stack(tmp_path, redis_url=server.url, KVSERVE_MODEL=str(tiny_paths["gguf"]), KVSERVE_WINDOW="2048")
     try:
@@ -342,6 +342,21 @@ def test_redis_restarted_empty_ends_every_request_and_the_workers_serve_again(tm
         again.close()
         print(f"\nRedis restarted empty -> workers registered again in {back_s:.1f}s")
         assert again.finish == "length" and {n: p.pid for n, p in stack.procs.items()} == pids  # no restart
+        for role in ("prefill", "decode"):
+            books_balance(stack, role)
+
+        # paused longer than a heartbeat and than the workers' 10 s socket timeout: every request still ends
+        s = Stream(stack, max_tokens=600).until_content()
+        stack.redis.execute_command("CLIENT", "PAUSE", 12_000, "ALL")
+        time.sleep(12)
+        s.rest()
+        s.close()
+        r = ended(stack, s.id, 120)
+        assert (r["status"], r["error_code"] or None) in (("done", None), ("failed", "backend_unavailable"))
+        print(f"\nRedis paused 12 s mid-stream -> {r['status']} {r['error_code']}")
+        again = Stream(stack, max_tokens=20).rest()
+        again.close()
+        assert again.finish == "length" and {n: p.pid for n, p in stack.procs.items()} == pids
         for role in ("prefill", "decode"):
             books_balance(stack, role)
     finally:
