@@ -252,8 +252,9 @@ class Engine:
             self.scheduler.remove(seq)
             seq.block_table, seq.page_epochs = [], []
         self.seqs = {}
-        self.block_manager.forget(range(self.pool.num_pages))
-        self.pool.data.zero_()
+        self.block_manager.forget(range(self.pool.num_pages))  # scrubs every page under on_free
+        if self.scrub_policy != "on_free":
+            self.pool.data.zero_()
         return failed
 
     # ---- stepping --------------------------------------------------------------------------

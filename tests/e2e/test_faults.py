@@ -239,6 +239,8 @@ def test_a_decode_worker_paused_until_the_reaper_gives_up_drops_the_request_and_
     assert (r["status"], r["error_code"]) == ("failed", "worker_lost")
     ledger = RedisLedger(fstack.redis, decoder.worker_id, prefix=fstack.prefix)
     wait_for(lambda: not ledger.pages_of(s.id), 30, "the resumed worker to drop the request")
+    events = [json.loads(f[b"e"]) for _, f in fstack.redis.xrange(OutputStream(fstack.redis, fstack.prefix).key(s.id))]
+    assert "done" not in [e["type"] for e in events]  # dropped at once (its cancel flag), not run to its end
     again = Stream(fstack, max_tokens=20).rest()
     again.close()
     print(f"\npaused decode worker serving again {time.monotonic() - resumed:.1f}s after SIGCONT")

@@ -180,8 +180,9 @@ def test_reclaimed_pages_fail_their_holder_scrubbed_without_a_violation_and_the_
     assert [s.request_id for s in engine.pop_finished()] == ["a", "b"] and not engine.has_request("a")
 
 
-def test_a_lost_pool_fails_everything_and_zeroes_the_whole_tensor(tiny_model):
-    engine = make_engine(tiny_model)
+@pytest.mark.parametrize("scrub_policy", ["on_free", "on_alloc"])
+def test_a_lost_pool_fails_everything_and_zeroes_the_whole_tensor(tiny_model, scrub_policy):
+    engine = make_engine(tiny_model, scrub_policy=scrub_policy)
     seqs = [engine.add_request(r, list(range(10, 40)), greedy(8)) for r in ("a", "b")]
     engine.step()
     assert sorted(s.request_id for s in engine.reset_pool("pool lost")) == ["a", "b"]

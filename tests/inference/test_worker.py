@@ -279,6 +279,23 @@ def test_a_lost_lease_fails_the_request_lease_lost_scrubbed_and_no_violation(fau
     decode.ledger.check_integrity()
 
 
+def test_a_lease_the_ledger_no_longer_has_fails_its_request_on_the_next_beat(fault_runtimes, redis_client):
+    make, seen = fault_runtimes
+    prefill, decode = make("prefill"), make("decode")
+    thread, box = start_decode(prefill, decode, "r8")
+    with Held(decode):
+        pages = sorted(decode.ledger.pages_of("r8"))
+        redis_client.zrem(decode.ledger.key("leases"), "r8")  # lost in a failover: the pages look held, no lease
+        decode.beat()  # renewal reports r8 missing
+    thread.join(30)
+    assert box["error"].code == "lease_lost" and seen["lease_lost"] == ["r8"] and not seen["violations"]
+    deltas = [e for e in decode.outputs.read("r8", timeout_s=5) if e["type"] == "delta"]
+    assert len(deltas) < 50  # stopped at that beat, not when it finished 600 tokens later
+    wait_until(lambda: decode.ledger.num_free() == 64)  # what the ledger still listed was released
+    assert float(decode.engine.pool.data[pages].abs().sum()) == 0.0
+    decode.ledger.check_integrity()
+
+
 def test_a_request_that_finishes_after_its_lease_was_reaped_fails_lease_lost(fault_runtimes, redis_client):
     make, seen = fault_runtimes
     prefill, decode = make("prefill"), make("decode")
