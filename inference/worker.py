@@ -328,8 +328,7 @@ class WorkerRuntime:
         e = self.engine
         busy = e.has_work or self._pending or self._outbox or self._unclean or self._pool_down is not None
         try:
-            for cmd in self._drain(0 if e.has_work else 0.05 if busy else 0.5):
-                self._apply(cmd)
+            self._apply_all(self._drain(0 if e.has_work else 0.05 if busy else 0.5))
             if self._pool_down is not None:
                 return self._register_again()
             self._flush()
@@ -358,6 +357,22 @@ class WorkerRuntime:
                 cmds.append(self._commands.get_nowait())
         except queue.Empty:
             return cmds
+
+    def _apply_all(self, cmds: list) -> None:
+        """Every command is applied (or its future failed) even when one of them raises."""
+        lost = None
+        for cmd in cmds:
+            try:
+                self._apply(cmd)
+            except PoolLost as exc:
+                lost = exc
+            except Exception as exc:
+                log.exception("engine loop command %s failed", type(cmd).__name__)
+                future = getattr(cmd, "future", None)
+                if future is not None and not future.done():
+                    future.set_exception(exc)
+        if lost is not None:
+            raise lost
 
     def _apply(self, cmd) -> None:
         if isinstance(cmd, (PrefillCommand, DecodeCommand)):

@@ -12,7 +12,7 @@ from inference.engine import EngineConfig
 from inference.handoff import HandoffRefused, Verdict
 from inference.ledger import RedisLedger
 from inference.sequence import SeqStatus
-from inference.worker import (DecodeCommand, PrefillCommand, RequestFailed, RuntimeOptions, WindowTooLarge,
+from inference.worker import (DecodeCommand, PoolLostCommand, PrefillCommand, RequestFailed, RuntimeOptions, WindowTooLarge,
                               WorkerRuntime, check_window)
 from tests.inference.helpers import greedy, make_engine
 
@@ -342,6 +342,22 @@ def test_a_vanished_pool_fails_its_requests_scrubs_everything_and_serves_a_new_g
     (record,) = decode.outputs.read_records({"r5"})
     assert seq.status is SeqStatus.FINISHED and min(record["epochs"]) > max(old_epochs)
     decode.ledger.check_integrity()
+
+
+def test_every_command_queued_with_a_failing_one_still_ends(fault_runtimes):
+    make, _ = fault_runtimes
+    rt = make("prefill")
+    with Held(rt):
+        busy = PrefillCommand("busy", list(range(10, 30)), greedy(2))
+        rt._commands.put(busy)
+        wait_until(lambda: rt._commands.empty() and rt.engine.has_request("busy"))
+        rt._commands.put(PoolLostCommand(rt.ledger.generation, "injected: the pool vanished"))
+        after = PrefillCommand("after", list(range(10, 30)), greedy(2))
+        rt._commands.put(after)  # drained in the same batch as the failing command
+    with pytest.raises(RequestFailed) as err:
+        after.future.result(30)
+    assert err.value.code == "pool_lost" and busy.future.done()
+    wait_until(lambda: rt.serving)
 
 
 def test_a_duplicate_delivery_is_refused_and_the_original_runs_on(fault_runtimes):
