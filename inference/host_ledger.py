@@ -27,7 +27,7 @@ class HostLedger:
     def __init__(self, ledger: RedisLedger):
         self.ledger = ledger
         self._lock = threading.Lock()
-        self._held: dict[str, int] = {}  # owner -> pages this process was granted and has not given back
+        self._held: set[str] = set()  # owners holding pages this process was granted
         self._refused: set[str] = set()  # owners whose pages the ledger no longer listed as theirs
         self._deferred: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []  # frees Redis could not take
         self.pool_lost: str | None = None  # why, when a free found the pool gone
@@ -49,34 +49,27 @@ class HostLedger:
                 log.warning("ledger unreachable, %s waits for %d pages: %r", owner, n, exc)
                 return None
             if got is not None and got.pages:
-                self._held[owner] = self._held.get(owner, 0) + len(got.pages)
+                self._held.add(owner)
             return got
-
-    def _gave_back(self, owner: str, n: int | None) -> None:
-        left = 0 if n is None else self._held.get(owner, 0) - n
-        if left > 0:
-            self._held[owner] = left
-        else:
-            self._held.pop(owner, None)
 
     def free(self, owner: str, pages: Sequence[int], epochs: Sequence[int]) -> None:
         pages, epochs = tuple(pages), tuple(epochs)
         try:
-            self.ledger.free(owner, pages, epochs)
+            left = self.ledger.free(owner, pages, epochs)
         except PoolLost as exc:
             self.pool_lost = str(exc)
         except LedgerError as exc:
             log.warning("lease lost: the ledger refused to free %s's pages %s: %s", owner, list(pages), exc)
             with self._lock:
                 self._refused.add(owner)
-                self._gave_back(owner, None)
+                self._held.discard(owner)
         except UNREACHABLE as exc:  # still held (and renewed) until the free goes through
             log.warning("ledger unreachable, freeing %s's pages later: %r", owner, exc)
             with self._lock:
                 self._deferred.append((owner, pages, epochs))
         else:
-            with self._lock:
-                self._gave_back(owner, len(pages))
+            if not left:
+                self.forget(owner)
 
     def release(self, owner: str) -> list[int]:
         """Frees what the ledger lists for `owner`; [] when it cannot (its lease runs out and is reaped)."""
@@ -93,7 +86,7 @@ class HostLedger:
     def forget(self, owner: str) -> None:
         """`owner` no longer holds anything this process renews (its pages were reclaimed or released)."""
         with self._lock:
-            self._gave_back(owner, None)
+            self._held.discard(owner)
 
     def beat(self, now_ms: int | None = None):
         """The pool's heartbeat (RedisLedger.beat) renewing every owner this process holds, atomically with
@@ -113,19 +106,20 @@ class HostLedger:
             pending, self._deferred = self._deferred, []
         for i, (owner, pages, epochs) in enumerate(pending):
             try:
-                self.ledger.free(owner, pages, epochs)
+                left = self.ledger.free(owner, pages, epochs)
             except UNREACHABLE:
                 with self._lock:
                     self._deferred[:0] = pending[i:]
                 return
             except LedgerError as exc:  # already freed by a call whose reply was lost, or reaped
                 log.info("deferred free of %s's pages dropped: %s", owner, exc)
-            with self._lock:
-                self._gave_back(owner, len(pages))
+                left = 0
+            if not left:
+                self.forget(owner)
 
     def reset(self) -> None:
         """A new pool generation: what was recorded about the old one no longer applies."""
         with self._lock:
-            self._held, self._refused, self._deferred = {}, set(), []
+            self._held, self._refused, self._deferred = set(), set(), []
         self.ledger.reset()
         self.pool_lost = None

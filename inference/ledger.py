@@ -193,7 +193,7 @@ redis.call('SADD', owners, owner)
 redis.call('ZADD', leases, int(now_ms() + ttl_ms), owner)
 return out
 """,
-    # ARGV: owner, k, k pages, k epochs. All or nothing.
+    # ARGV: owner, k, k pages, k epochs. All or nothing. Returns how many pages the owner still holds.
     "free": """
 local owner, k = ARGV[3], tonumber(ARGV[4])
 local okey = owner_prefix .. owner
@@ -214,11 +214,12 @@ for i = 1, k do
   redis.call('SREM', okey, page)
   redis.call('RPUSH', free, page)
 end
-if redis.call('SCARD', okey) == 0 then
+local left = redis.call('SCARD', okey)
+if left == 0 then
   redis.call('SREM', owners, owner)
   redis.call('ZREM', leases, owner)
 end
-return k
+return left
 """,
     # ARGV: owner. Returns the freed pages, sorted; they join the free list in that order.
     "release": """
@@ -523,14 +524,14 @@ class RedisLedger:
         self.max_epoch = max(self.max_epoch, *grant.epochs) if grant.epochs else self.max_epoch
         return grant
 
-    def free(self, owner: str, pages: Sequence[int], epochs: Sequence[int]) -> None:
-        """Return pages to the tail of the free list; all or nothing, only at the epochs they were granted."""
+    def free(self, owner: str, pages: Sequence[int], epochs: Sequence[int]) -> int | None:
+        """Return pages to the tail of the free list; all or nothing, only at the epochs they were granted.
+        Returns how many pages the owner still holds (None when nothing was listed)."""
         _check_owner(owner)
         pages, epochs = [int(p) for p in pages], [int(e) for e in epochs]
         if len(pages) != len(epochs):
             raise LedgerError(f"pool {self.pool_id}: free got {len(pages)} pages but {len(epochs)} epochs")
-        if pages:
-            self._call("free", owner, len(pages), *pages, *epochs)
+        return self._call("free", owner, len(pages), *pages, *epochs) if pages else None
 
     def release(self, owner: str) -> list[int]:
         """Free everything the owner holds and drop its lease; returns the pages, sorted."""
