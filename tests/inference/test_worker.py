@@ -360,6 +360,31 @@ def test_every_command_queued_with_a_failing_one_still_ends(fault_runtimes):
     wait_until(lambda: rt.serving)
 
 
+def test_a_violation_fails_closed_and_quarantines_even_when_recording_the_incident_fails(redis_client, ledger_prefix,
+                                                                                         tiny_model, runtimes):
+    def broken_recorder(runtime, violation):
+        raise RuntimeError("the incident database is down")
+
+    options = RuntimeOptions(prefix=ledger_prefix, lease_ttl_s=30, registry_ttl_s=15)
+    decode = WorkerRuntime("decode", redis_client, KEY, model=tiny_model, options=options,
+                           config=EngineConfig(num_pages=64, page_size=16, window=1024), on_violation=broken_recorder)
+    try:
+        prefill = runtimes("prefill")
+        bystander, seen = start_decode(prefill, decode, "bystander", max_tokens=200)
+        thread, box = start_decode(prefill, decode, "victim")
+        with Held(decode):
+            other = decode.ledger.allocate("someone-else", 1)
+            decode.engine.seqs["victim"].block_table[0] = other.pages[0]  # the bug: a foreign page in its table
+        thread.join(30)
+        bystander.join(60)
+        assert box["error"].code == "kv_isolation_violation"
+        assert seen["seq"].status is SeqStatus.FINISHED  # the recorder's failure touched no other request
+        assert final_event(decode, "victim")["code"] == "kv_isolation_violation"
+        assert decode.registry.is_quarantined(decode.worker_id) and decode.serving
+    finally:
+        decode.stop()
+
+
 def test_a_duplicate_delivery_is_refused_and_the_original_runs_on(fault_runtimes):
     make, _ = fault_runtimes
     prefill, decode = make("prefill"), make("decode")
