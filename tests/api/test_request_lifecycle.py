@@ -91,3 +91,39 @@ def test_a_request_no_worker_took_ends_queue_timeout(tenant, settings, registry)
     assert report["failed_requests"] == []  # prefilled: decode's queue holds it, not the prefill worker
     assert ChatRequest.objects.get(id=old.id).error_code == "queue_timeout"
     assert ChatRequest.objects.get(id=fresh.id).status == "queued"
+
+
+@pytest.fixture
+def worker_pair(registry_redis, registry_prefix, tiny_model, monkeypatch):
+    """A prefill runtime and a decode runtime whose pool is smaller than the prefill's window, the decode one
+    installed as this process's runtime (what a decode worker process has)."""
+    from inference.engine import EngineConfig
+    from inference.worker import RuntimeOptions, WorkerRuntime
+    from kvserve.chat import runtime as runtime_module
+
+    options = RuntimeOptions(prefix=registry_prefix)
+    key = b"k" * 32
+    prefill = WorkerRuntime("prefill", registry_redis, key, model=tiny_model, options=options,
+                            config=EngineConfig(num_pages=64, window=1024))
+    decode = WorkerRuntime("decode", registry_redis, key, model=tiny_model, options=options,
+                           config=EngineConfig(num_pages=8, window=128))
+    monkeypatch.setitem(runtime_module._runtime, "current", decode)
+    yield prefill, decode
+    prefill.stop()
+    decode.stop()
+
+
+def test_a_decode_that_can_never_fit_ends_its_request_with_an_error_event(tenant, worker_pair, registry_redis,
+                                                                           registry_prefix):
+    from inference.sequence import SamplingParams
+    from kvserve.chat.services import chat_request_decode
+
+    prefill, decode = worker_pair
+    prompt = list(range(10, 50))
+    req = chat_request(tenant, status="prefilling", handoff_verdict="OK", max_tokens=200, prompt_tokens=40)
+    handoff = prefill.prefill(req.id, prompt, SamplingParams(max_tokens=200, temperature=0.0))
+    chat_request_decode(req.id, prompt, handoff.to_dict())  # 40 + 200 tokens: this decode pool holds 128
+    stored = ChatRequest.objects.get(id=req.id)
+    assert (stored.status, stored.error_code) == ("failed", "context_length_exceeded")
+    (event,) = OutputStream(registry_redis, registry_prefix).read(req.id, timeout_s=5)
+    assert event["code"] == "context_length_exceeded" and decode.ledger.num_free() == 8
