@@ -88,12 +88,14 @@ def chat_request_create(*, api_key, messages: list[dict], max_tokens: int, param
     return req, prompt_ids
 
 
-def chat_request_fail(req: ChatRequest, *, code: str, message: str, status: str = Status.FAILED, **fields) -> bool:
+def chat_request_fail(req: ChatRequest, *, code: str, message: str, status: str = Status.FAILED,
+                      claim: dict | None = None, **fields) -> bool:
     """Ends a request that has not ended yet, as failed (or rejected) with `code`: the first terminal state
-    wins and this one is written only if none was. Publishes the error event and raises the request's
-    cancel flag, so any worker still holding it lets go. False when the request had already ended."""
+    wins and this one is written only if none was (and, with `claim`, only while that delivery holds the
+    row). Publishes the error event and raises the request's cancel flag, so any worker still holding it
+    lets go. False when nothing was written."""
     now = timezone.now()
-    changed = ChatRequest.objects.filter(id=req.id).exclude(status__in=ChatRequest.FINAL).update(
+    changed = ChatRequest.objects.filter(id=req.id, **(claim or {})).exclude(status__in=ChatRequest.FINAL).update(
         status=status, error_code=code, error_message=message, finished_at=now, **fields)
     if not changed:
         return False
@@ -130,9 +132,8 @@ def _claim(request_id: str, claimable, to_status: str, worker_field: str, counte
     return ChatRequest.objects.select_related("tenant").get(id=request_id) if n else None
 
 
-def _still_claimed(req: ChatRequest, worker_field: str, counter: str):
-    token = {"status": req.status, worker_field: getattr(req, worker_field), counter: getattr(req, counter)}
-    return ChatRequest.objects.filter(id=req.id, **token)
+def _claim_token(req: ChatRequest, worker_field: str, counter: str) -> dict:
+    return {"status": req.status, worker_field: getattr(req, worker_field), counter: getattr(req, counter)}
 
 
 def chat_request_prefill(request_id: str, prompt_ids: list[int]) -> None:
@@ -151,30 +152,27 @@ def chat_request_prefill(request_id: str, prompt_ids: list[int]) -> None:
     if req.prefill_deliveries > settings.KVSERVE_TASK_MAX_DELIVERIES:
         return chat_request_fail(req, code="redelivery_limit",
                                  message=f"prefill was attempted {req.prefill_deliveries - 1} times without finishing")
-    mine = _still_claimed(req, "prefill_worker", "prefill_deliveries")
+    claim = _claim_token(req, "prefill_worker", "prefill_deliveries")
+    mine = ChatRequest.objects.filter(id=req.id, **claim)
     try:
         handoff = runtime.prefill(req.id, prompt_ids, sampling_params(req), still_wanted=mine.exists)
     except RequestFailed as exc:
-        return _fail_mine(mine, req, exc.code, exc.message)
+        return chat_request_fail(req, code=exc.code, message=exc.message, claim=claim)
     except Exception as exc:
         log.exception("prefill of %s failed", req.id)
-        return _fail_mine(mine, req, "prefill_failed", f"prefill failed: {type(exc).__name__}: {exc}")
+        return chat_request_fail(req, code="prefill_failed", message=f"prefill failed: {type(exc).__name__}: {exc}",
+                                 claim=claim)
     if handoff.verdict is Verdict.ABORTED:
         return  # the row ended or was taken over while prefilling: nothing was sent
     if handoff.verdict is Verdict.REJECTED:
-        return _fail_mine(mine, req, "context_length_exceeded", handoff.reason, status=Status.REJECTED,
-                          handoff_verdict=handoff.verdict.value)
+        return chat_request_fail(req, code="context_length_exceeded", message=handoff.reason, status=Status.REJECTED,
+                                 claim=claim, handoff_verdict=handoff.verdict.value)
     if not mine.update(handoff_verdict=handoff.verdict.value, prefill_finished_at=timezone.now()):
         runtime.transport.discard(req.id)  # ended meanwhile: nobody will decode it
         return
     from kvserve.chat.tasks import decode
 
     decode.delay(req.id, prompt_ids, handoff.to_dict())
-
-
-def _fail_mine(mine, req: ChatRequest, code: str, message: str, **kwargs) -> bool:
-    """chat_request_fail, only while this delivery still holds the row (a newer one may run it now)."""
-    return mine.exists() and chat_request_fail(req, code=code, message=message, **kwargs)
 
 
 def chat_request_decode(request_id: str, prompt_ids: list[int], handoff: dict) -> None:
@@ -188,24 +186,25 @@ def chat_request_decode(request_id: str, prompt_ids: list[int], handoff: dict) -
     if req is None:
         log.info("decode of %s not claimed: already ended or decoding under another delivery", request_id)
         return
-    mine = _still_claimed(req, "decode_worker", "decode_deliveries")
+    claim = _claim_token(req, "decode_worker", "decode_deliveries")
     try:
         seq = runtime.decode(req.id, prompt_ids, sampling_params(req), handoff)
     except HandoffRefused as refused:  # fail closed first; the incident is recorded after, whatever it does
-        _fail_mine(mine, req, "handoff_refused", f"decode refused the handoff: {refused.reason}",
-                   decode_verdict=refused.kind[:32])
+        chat_request_fail(req, code="handoff_refused", message=f"decode refused the handoff: {refused.reason}",
+                          claim=claim, decode_verdict=refused.kind[:32])
         return _record_safely(_handoff_incident, runtime, req, refused, handoff)
     except RequestFailed as exc:
         if exc.code != "duplicate_delivery":  # the original delivery runs on: leave it alone
-            _fail_mine(mine, req, exc.code, exc.message, decode_verdict="accepted")
+            chat_request_fail(req, code=exc.code, message=exc.message, claim=claim, decode_verdict="accepted")
         return
     except RequestTooLarge as exc:  # this decode pool is smaller than what admission allowed
-        return _fail_mine(mine, req, "context_length_exceeded", str(exc), decode_verdict="accepted")
+        return chat_request_fail(req, code="context_length_exceeded", message=str(exc), claim=claim,
+                                 decode_verdict="accepted")
     except Exception as exc:
         log.exception("decode of %s failed", req.id)
-        return _fail_mine(mine, req, "engine_error", f"decode failed: {type(exc).__name__}: {exc}",
-                          decode_verdict="accepted")
-    mine.update(status=Status.DONE, finish_reason=seq.finish_reason or "", decode_verdict="accepted",
+        return chat_request_fail(req, code="engine_error", message=f"decode failed: {type(exc).__name__}: {exc}",
+                                 claim=claim, decode_verdict="accepted")
+    ChatRequest.objects.filter(id=req.id, **claim).update(status=Status.DONE, finish_reason=seq.finish_reason or "", decode_verdict="accepted",
                 finished_at=timezone.now(), transfer_ms=seq.transfer_ms, completion_tokens=len(seq.output_ids),
                 completion_text=seq.text if req.tenant.store_text else None)
 

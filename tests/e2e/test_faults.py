@@ -37,10 +37,9 @@ def row(stack, rid) -> dict:
         return dict(r) if r else {}
 
 
-def newest_row(stack) -> dict:
+def row_ids(stack) -> set[str]:
     with sqlite3.connect(stack.workdir / "db.sqlite3") as db:
-        db.row_factory = sqlite3.Row
-        return dict(db.execute("select * from chat_chatrequest order by created_at desc limit 1").fetchone())
+        return {r for (r,) in db.execute("select id from chat_chatrequest")}
 
 
 def critical_incidents(stack) -> list:
@@ -149,12 +148,13 @@ def test_a_client_that_disconnects_mid_stream_ends_its_request_and_frees_its_pag
 
 
 def test_a_non_streamed_client_that_disconnects_ends_its_request_and_frees_its_pages(fstack):
+    before = row_ids(fstack)
     with httpx.Client(timeout=httpx.Timeout(10.0, read=3.0)) as client:
         with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
             client.post(fstack.url + "/v1/chat/completions", json=body(max_tokens=1500, stream=False),
                         headers={"Authorization": f"Bearer {fstack.api_key}"})
     gone = time.monotonic()
-    rid = newest_row(fstack)["id"]
+    (rid,) = wait_for(lambda: row_ids(fstack) - before, 30, "the request's row")
     r = ended(fstack, rid, 30)
     assert (r["status"], r["error_code"]) == ("failed", "client_disconnected")
     books_balance(fstack, "decode")
