@@ -106,6 +106,18 @@ local function misfiled(owner, page)
   return fail('INTEGRITY', owner .. ' lists page ' .. page .. ' but ' .. state_of(page)
     .. '; run check_integrity')
 end
+-- pushes the leases of the owners ARGV[first..] to `expiry`; returns the owners that hold none
+local function renew(expiry, first)
+  local missing = {}
+  for i = first, #ARGV do
+    if redis.call('ZSCORE', leases, ARGV[i]) then
+      redis.call('ZADD', leases, expiry, ARGV[i])
+    else
+      missing[#missing + 1] = ARGV[i]
+    end
+  end
+  return missing
+end
 -- moves the pages of every owner whose lease expired before `now` to the dirty set; all or nothing
 local function reap(now)
   local expired = redis.call('ZRANGEBYSCORE', leases, '-inf', int(now), 'WITHSCORES')
@@ -248,16 +260,7 @@ return out
     # ARGV: ttl_ms, owners... Renews only existing leases; returns the owners that hold none.
     "renew": """
 if not registered() then return unregistered() end
-local expiry = int(now_ms() + tonumber(ARGV[3]))
-local missing = {}
-for i = 4, #ARGV do
-  if redis.call('ZSCORE', leases, ARGV[i]) then
-    redis.call('ZADD', leases, expiry, ARGV[i])
-  else
-    missing[#missing + 1] = ARGV[i]
-  end
-end
-return missing
+return renew(int(now_ms() + tonumber(ARGV[3])), 4)
 """,
     # ARGV: now_ms or '' for Redis TIME. Returns {{owner, expired_at_ms, {page, epoch, ...}}, ...}.
     "reap": """
@@ -273,15 +276,7 @@ if not registered() then return unregistered() end
 local stale = behind(tonumber(ARGV[5]))
 if stale then return stale end
 local now = tonumber(ARGV[4]) or now_ms()
-local expiry = int(now + tonumber(ARGV[3]))
-local missing = {}
-for i = 6, #ARGV do
-  if redis.call('ZSCORE', leases, ARGV[i]) then
-    redis.call('ZADD', leases, expiry, ARGV[i])
-  else
-    missing[#missing + 1] = ARGV[i]
-  end
-end
+local missing = renew(int(now + tonumber(ARGV[3])), 6)
 local events, err = reap(now)
 return err or {missing, events}
 """,
