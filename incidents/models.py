@@ -22,13 +22,14 @@ class Incident(models.Model):
 
     kind = models.CharField(max_length=32, choices=Kind.choices, db_index=True)
     severity = models.CharField(max_length=16, choices=Severity.choices, db_index=True)
-    pool = models.CharField(max_length=64, blank=True, db_index=True)
-    worker = models.CharField(max_length=200, blank=True, db_index=True)
+    # ids of any length fit: longer values are clipped by incident_record, the full value kept in details
+    pool = models.CharField(max_length=255, blank=True, db_index=True)
+    worker = models.CharField(max_length=255, blank=True, db_index=True)
     pages = models.JSONField(default=list, blank=True)
-    reader_request = models.CharField(max_length=100, blank=True, db_index=True)
-    previous_owner_request = models.CharField(max_length=100, blank=True, db_index=True)
+    reader_request = models.CharField(max_length=255, blank=True, db_index=True)
+    previous_owner_request = models.CharField(max_length=255, blank=True, db_index=True)
     epochs = models.JSONField(default=list, blank=True)
-    detected_by = models.CharField(max_length=100)
+    detected_by = models.CharField(max_length=255)
     details = models.JSONField(default=dict, blank=True)
     quarantined = models.BooleanField(
         default=False, help_text="The worker was quarantined in the registry when this was recorded."
@@ -67,7 +68,7 @@ class CanaryRun(models.Model):
 class WorkerRelease(models.Model):
     """Audit log: an admin lifted a worker's quarantine."""
 
-    worker = models.CharField(max_length=200, db_index=True)
+    worker = models.CharField(max_length=255, db_index=True)
     released_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+"
     )

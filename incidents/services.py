@@ -25,17 +25,23 @@ def incident_record(
     detected_by: str,
     details: dict | None = None,
 ) -> Incident:
+    """Records one incident; a critical one on a worker quarantines it. Ids of any length are accepted:
+    a value longer than its column is clipped there and kept whole in details["full_ids"]."""
+    ids = {"pool": pool, "worker": worker, "reader_request": reader_request,
+           "previous_owner_request": previous_owner_request, "detected_by": detected_by}
+    clipped, full = {}, {}
+    for name, value in ids.items():
+        value, limit = str(value or ""), Incident._meta.get_field(name).max_length
+        clipped[name] = value if len(value) <= limit else value[: limit - 1] + "…"
+        if len(value) > limit:
+            full[name] = value
     incident = Incident(
         kind=Incident.Kind(kind),
         severity=Incident.Severity(severity),
-        pool=pool or "",
-        worker=worker or "",
         pages=[int(p) for p in (pages or [])],
-        reader_request=reader_request or "",
-        previous_owner_request=previous_owner_request or "",
         epochs=epochs if epochs is not None else [],
-        detected_by=detected_by,
-        details=details or {},
+        details={**(details or {}), **({"full_ids": full} if full else {})},
+        **clipped,
     )
     incident.full_clean()
     incident.save()
@@ -45,22 +51,22 @@ def incident_record(
         reader_request, previous_owner_request, detected_by,
     )
     if incident.severity == Incident.Severity.CRITICAL and incident.worker:
-        _quarantine(incident)
+        _quarantine(incident, full.get("worker", incident.worker))
     return incident
 
 
-def _quarantine(incident: Incident) -> None:
+def _quarantine(incident: Incident, worker_id: str) -> None:
     # Not deferred to on_commit: the quarantine must hold even if the caller's transaction rolls back.
     try:
-        registry_get().quarantine(incident.worker, reason=f"incident #{incident.pk}: {incident.kind}")
+        registry_get().quarantine(worker_id, reason=f"incident #{incident.pk}: {incident.kind}")
     except Exception as exc:  # the incident row must survive; the failure is recorded on it, loudly
-        log.critical("could not quarantine worker %s for incident #%s", incident.worker, incident.pk, exc_info=True)
+        log.critical("could not quarantine worker %s for incident #%s", worker_id, incident.pk, exc_info=True)
         incident.details = {**incident.details, "quarantine_error": repr(exc)}
         incident.save(update_fields=["details"])
         return
     incident.quarantined = True
     incident.save(update_fields=["quarantined"])
-    log.critical("worker %s QUARANTINED for incident #%s", incident.worker, incident.pk)
+    log.critical("worker %s QUARANTINED for incident #%s", worker_id, incident.pk)
 
 
 def incident_acknowledge(*, incident: Incident, by_user) -> Incident:

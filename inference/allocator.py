@@ -16,6 +16,12 @@ class IntegrityError(LedgerError):
     """The ledger's books do not balance: free + owned + dirty != total, or a page is owned twice."""
 
 
+class PoolLost(LedgerError):
+    """The pool's records are gone or older than what its worker has seen (Redis restarted empty, failed
+    over to a lagging replica, or an operator's FLUSHDB): its worker must fail what it holds, scrub its
+    whole tensor and register a fresh generation."""
+
+
 @dataclass(frozen=True)
 class Grant:
     """Pages handed to one owner, with the fencing epoch each page was granted under."""

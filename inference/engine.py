@@ -21,6 +21,10 @@ from inference.sequence import SamplingParams, Sequence, SeqStatus
 log = logging.getLogger(__name__)
 
 
+class DuplicateRequest(ValueError):
+    """A request id the engine already holds: the second copy is refused, the first is left alone."""
+
+
 @dataclass
 class StepEvent:
     seq: Sequence
@@ -88,8 +92,7 @@ class Engine:
         self.window = config.window or mc.max_position
         self.tokenizer = model.tokenizer
         self.fingerprint = model.fingerprint
-        self.violations: list[Violation] = []
-        self.quarantined = False
+        self.violations: list[Violation] = []  # since the last take_violations()
         self.seqs: dict[str, Sequence] = {}
         self.num_decode_tokens = 0
         config.faults.announce(f"engine pool {allocator.pool_id}")
@@ -102,6 +105,22 @@ class Engine:
     @property
     def capacity_tokens(self) -> int:
         return self.pool.capacity_tokens
+
+    @property
+    def num_pages(self) -> int:
+        return self.pool.num_pages
+
+    @property
+    def page_size(self) -> int:
+        return self.pool.page_size
+
+    @property
+    def device(self) -> str:
+        return str(self.pool.data.device)
+
+    @property
+    def scrub_policy(self) -> str:
+        return self.block_manager.scrub_policy
 
     @property
     def effective_limit(self) -> int:
@@ -118,7 +137,7 @@ class Engine:
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     prefill_only: bool = False) -> Sequence:
         if request_id in self.seqs:
-            raise ValueError(f"request {request_id} is already in this engine")
+            raise DuplicateRequest(f"request {request_id} is already in this engine")
         reason = self.admission_error(len(prompt_ids), params.max_tokens)
         if reason:
             raise RequestTooLarge(reason)
@@ -152,6 +171,8 @@ class Engine:
         The written watermark is what was transferred, never what the prompt claims: a sequence
         that believes more is cached than was written fails the guard on its first step.
         Returns None when the pages do not fit now (the caller retries); raises when they never can."""
+        if request_id in self.seqs:
+            raise DuplicateRequest(f"request {request_id} is already in this engine")
         reason = self.admission_error(len(prompt_ids), params.max_tokens)
         if reason:
             raise RequestTooLarge(reason)
@@ -170,11 +191,71 @@ class Engine:
             self.scheduler.add_running(seq)
         return seq
 
-    def abort(self, request_id: str, reason: str = "aborted") -> None:
+    def abort(self, request_id: str, reason: str = "aborted") -> Sequence | None:
+        """Stops a running request and frees its pages (scrubbed by policy); the aborted sequence, or
+        None when it was not running."""
         seq = self.seqs.get(request_id)
-        if seq is not None and not seq.is_done:
+        if seq is None or seq.is_done:
+            return None
+        seq.status, seq.error = SeqStatus.FAILED, reason
+        self.release(seq)
+        return seq
+
+    # ---- state the engine's host reads and hands back ---------------------------------------
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.seqs
+
+    def pages_of(self, request_id: str) -> tuple[list[int], list[int]] | None:
+        """(pages, epochs) a running request holds, or None."""
+        seq = self.seqs.get(request_id)
+        return (list(seq.block_table), list(seq.page_epochs)) if seq is not None and seq.block_table else None
+
+    def pop_finished(self) -> list[Sequence]:
+        """Drops and returns every finished (or failed) sequence the engine still keeps for its caller."""
+        done = [seq for seq in self.seqs.values() if seq.is_done and not seq.block_table]
+        for seq in done:
+            del self.seqs[seq.request_id]
+        return done
+
+    def take_violations(self) -> list[Violation]:
+        """Ownership violations detected since the last call (each already failed its sequence closed)."""
+        taken, self.violations = self.violations, []
+        return taken
+
+    def reclaim(self, pages) -> list[Sequence]:
+        """The ledger took `pages` back (their owner's lease was reaped). Every sequence still holding one
+        fails; its pages and `pages` are scrubbed and forgotten here, without a ledger call (the ledger
+        no longer lists them as the sequence's). Returns the failed sequences."""
+        pages = {int(p) for p in pages}
+        failed = []
+        for seq in list(self.seqs.values()):
+            if pages.isdisjoint(seq.block_table):
+                continue
+            seq.status, seq.error = SeqStatus.FAILED, "lease lost"
+            self.scheduler.remove(seq)
+            pages.update(seq.block_table)
+            seq.block_table, seq.page_epochs = [], []
+            failed.append(seq)
+        ordered = sorted(pages)
+        self.block_manager.forget(ordered)  # scrubs them under on_free
+        if self.scrub_policy != "on_free":
+            self.pool.scrub(ordered)
+        return failed
+
+    def reset_pool(self, reason: str) -> list[Sequence]:
+        """The ledger lost this pool (Redis restarted empty, failover, FLUSHDB). Every sequence fails, the
+        mirror forgets every page and the whole tensor is zeroed, so nothing written under the old
+        generation can be read under the next. Returns the sequences that were still running."""
+        failed = [seq for seq in self.seqs.values() if not seq.is_done or seq.block_table]
+        for seq in failed:
             seq.status, seq.error = SeqStatus.FAILED, reason
-            self.release(seq)
+            self.scheduler.remove(seq)
+            seq.block_table, seq.page_epochs = [], []
+        self.seqs = {}
+        self.block_manager.forget(range(self.pool.num_pages))  # scrubs every page under on_free
+        if self.scrub_policy != "on_free":
+            self.pool.data.zero_()
+        return failed
 
     # ---- stepping --------------------------------------------------------------------------
     @property
@@ -298,7 +379,6 @@ class Engine:
     def _fail_closed(self, seq: Sequence, exc: OwnershipViolation) -> StepEvent:
         log.error("ownership violation, request fails closed and worker is quarantined: %s", exc)
         self.violations.append(exc.violation)
-        self.quarantined = True
         seq.status, seq.error = SeqStatus.FAILED, str(exc)
         seq.text = ""
         self.scheduler.remove(seq)

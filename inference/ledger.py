@@ -1,6 +1,11 @@
 """The page ledger in Redis: which owner holds which page of a pool, under which epoch, until when.
 
 This is the only module that reads or writes the ledger's keys; every mutation is one Lua script.
+A pool belongs to one worker process (its id is the worker's id): only that process grants its pages,
+renews and reaps its leases and scrubs its dirty pages; anyone else may read it, or delete the pool of
+a worker that is gone (`unregister`), never mark its pages clean. Epochs are fencing tokens: a pool
+re-registered after its records were lost starts a new generation whose epochs are above every epoch
+its worker has seen (`reset`), and a client refuses a pool whose counter is behind what it saw.
 """
 import time
 from collections import Counter, defaultdict
@@ -10,11 +15,12 @@ from typing import Sequence
 import redis
 from redis.exceptions import ResponseError
 
-from inference.allocator import Grant, IntegrityError, LedgerError
+from inference.allocator import Grant, IntegrityError, LedgerError, PoolLost
 
 ROLES = ("prefill", "decode", "sandbox")
 # Every script gets the pool's fixed keys as KEYS in this order, and ARGV[1..2] = owner-key prefix, pool id.
-_KEY_PARTS = ("meta", "free", "page_owner", "page_epoch", "owners", "leases", "dirty", "epoch")
+_KEY_PARTS = ("meta", "free", "page_owner", "page_epoch", "owners", "leases", "dirty", "epoch", "scrubbing")
+GENERATION_SPAN = 2**32  # epochs of generation g lie in (g * span, (g + 1) * span]
 
 
 def ledger_key(prefix: str, pool_id: str | None = None, part: str = "") -> str:
@@ -35,18 +41,37 @@ class ReclaimEvent:
     expired_at_ms: int
 
 
+@dataclass(frozen=True)
+class Beat:
+    """One heartbeat of the pool's worker: the owners it renews that hold no lease (taken back), and the
+    other owners whose leases expired and were reaped into the dirty set."""
+
+    missing: tuple[str, ...]
+    reclaimed: tuple[ReclaimEvent, ...]
+
+
 _PREAMBLE = """
-local meta, free, page_owner, page_epoch, owners, leases, dirty, epoch, pools = unpack(KEYS)
+local meta, free, page_owner, page_epoch, owners, leases, dirty, epoch, scrubbing, pools = unpack(KEYS)
 local owner_prefix, pool = ARGV[1], ARGV[2]
-local NOT_REGISTERED =
-  'not registered; its worker registers it at start (was Redis restarted without persistence?)'
 local function fail(kind, msg) return redis.error_reply(kind .. ' pool ' .. pool .. ': ' .. msg) end
+local function unregistered()
+  return fail('UNREGISTERED', 'not registered; its worker registers it at start (was Redis restarted '
+    .. 'without persistence, failed over, or flushed?)')
+end
 local function int(x) return string.format('%d', x) end
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 local function by_number(a, b) return tonumber(a) < tonumber(b) end
+-- a client that has seen epoch `floor` refuses a counter behind it: epochs would repeat
+local function behind(floor)
+  local counter = tonumber(redis.call('GET', epoch) or '0')
+  if counter < floor then
+    return fail('UNREGISTERED', 'epoch counter ' .. int(counter) .. ' is behind epoch ' .. int(floor)
+      .. ' its worker was granted (Redis lost writes: failover or restore)')
+  end
+end
 local function registered() return redis.call('EXISTS', meta) == 1 end
 -- every owner any record names, so a reset or an audit misses none
 local function all_owners()
@@ -63,14 +88,17 @@ local function all_owners()
 end
 local function wipe()
   for _, o in ipairs(all_owners()) do redis.call('DEL', owner_prefix .. o) end
-  redis.call('DEL', meta, free, page_owner, page_epoch, owners, leases, dirty)
+  redis.call('DEL', meta, free, page_owner, page_epoch, owners, leases, dirty, scrubbing)
 end
 local function state_of(page)
   local holder = redis.call('HGET', page_owner, page)
   if holder then
     return 'it is held by ' .. holder .. ' at epoch ' .. (redis.call('HGET', page_epoch, page) or '?')
   end
-  if redis.call('SISMEMBER', dirty, page) == 1 then return 'it is dirty, waiting to be scrubbed' end
+  if redis.call('SISMEMBER', dirty, page) == 1 then
+    local by = redis.call('HGET', scrubbing, page)
+    return 'it is dirty, waiting to be scrubbed' .. (by and (' by ' .. by) or '')
+  end
   if redis.call('LPOS', free, page) then return 'it is free' end
   return 'it is not a page of this pool (0..' .. (redis.call('HGET', meta, 'num_pages') - 1) .. ')'
 end
@@ -78,15 +106,62 @@ local function misfiled(owner, page)
   return fail('INTEGRITY', owner .. ' lists page ' .. page .. ' but ' .. state_of(page)
     .. '; run check_integrity')
 end
+-- pushes the leases of the owners ARGV[first..] to `expiry`; returns the owners that hold none
+local function renew(expiry, first)
+  local missing = {}
+  for i = first, #ARGV do
+    if redis.call('ZSCORE', leases, ARGV[i]) then
+      redis.call('ZADD', leases, expiry, ARGV[i])
+    else
+      missing[#missing + 1] = ARGV[i]
+    end
+  end
+  return missing
+end
+-- moves the pages of every owner whose lease expired before `now` to the dirty set; all or nothing
+local function reap(now)
+  local expired = redis.call('ZRANGEBYSCORE', leases, '-inf', int(now), 'WITHSCORES')
+  local events, doomed = {}, {}
+  for i = 1, #expired, 2 do
+    local owner = expired[i]
+    local pages = redis.call('SMEMBERS', owner_prefix .. owner)
+    table.sort(pages, by_number)
+    local flat = {}
+    for _, page in ipairs(pages) do
+      local e = redis.call('HGET', page_epoch, page)
+      if redis.call('HGET', page_owner, page) ~= owner or not e then
+        return nil, misfiled(owner, page)
+      end
+      flat[#flat + 1] = tonumber(page)
+      flat[#flat + 1] = tonumber(e)
+    end
+    events[#events + 1] = {owner, tonumber(expired[i + 1]), flat}
+    doomed[#doomed + 1] = pages
+  end
+  for i, ev in ipairs(events) do
+    local owner = ev[1]
+    for _, page in ipairs(doomed[i]) do
+      redis.call('HDEL', page_owner, page)
+      redis.call('HDEL', page_epoch, page)
+      redis.call('SADD', dirty, page)
+    end
+    redis.call('DEL', owner_prefix .. owner)
+    redis.call('SREM', owners, owner)
+    redis.call('ZREM', leases, owner)
+  end
+  return events
+end
 """
 
 _SCRIPTS = {
-    # ARGV: role, num_pages, page_size. The epoch counter survives: fencing tokens never repeat.
+    # ARGV: role, num_pages, page_size, generation, min_epoch. The epoch counter survives and never
+    # goes below min_epoch: fencing tokens never repeat, even when the counter itself was lost.
     "register": """
-local num_pages = tonumber(ARGV[4])
+local num_pages, min_epoch = tonumber(ARGV[4]), tonumber(ARGV[7])
 wipe()
 redis.call('HSET', meta, 'role', ARGV[3], 'num_pages', int(num_pages), 'page_size', ARGV[5],
-           'created', int(now_ms()))
+           'generation', ARGV[6], 'created', int(now_ms()))
+if tonumber(redis.call('GET', epoch) or '0') < min_epoch then redis.call('SET', epoch, int(min_epoch)) end
 local batch = {}
 for page = 0, num_pages - 1 do
   batch[#batch + 1] = int(page)
@@ -104,11 +179,13 @@ redis.call('DEL', epoch)
 redis.call('SREM', pools, pool)
 return 1
 """,
-    # ARGV: owner, n, ttl_ms, must_hold. Returns {page, epoch, ...}, or nil when fewer than n are free.
+    # ARGV: owner, n, ttl_ms, must_hold, floor. Returns {page, epoch, ...}, or nil when fewer than n are free.
     "grant": """
 local owner, n, ttl_ms = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
 local okey = owner_prefix .. owner
-if not registered() then return fail('LEDGER', NOT_REGISTERED) end
+if not registered() then return unregistered() end
+local stale = behind(tonumber(ARGV[7]))
+if stale then return stale end
 if ARGV[6] == '1' and redis.call('SCARD', okey) == 0 then
   return fail('LEDGER', owner .. ' holds no pages to extend; allocate its first pages instead')
 end
@@ -128,11 +205,11 @@ redis.call('SADD', owners, owner)
 redis.call('ZADD', leases, int(now_ms() + ttl_ms), owner)
 return out
 """,
-    # ARGV: owner, k, k pages, k epochs. All or nothing.
+    # ARGV: owner, k, k pages, k epochs. All or nothing. Returns how many pages the owner still holds.
     "free": """
 local owner, k = ARGV[3], tonumber(ARGV[4])
 local okey = owner_prefix .. owner
-if not registered() then return fail('LEDGER', NOT_REGISTERED) end
+if not registered() then return unregistered() end
 local seen = {}
 for i = 1, k do
   local page, e = ARGV[4 + i], ARGV[4 + k + i]
@@ -149,17 +226,18 @@ for i = 1, k do
   redis.call('SREM', okey, page)
   redis.call('RPUSH', free, page)
 end
-if redis.call('SCARD', okey) == 0 then
+local left = redis.call('SCARD', okey)
+if left == 0 then
   redis.call('SREM', owners, owner)
   redis.call('ZREM', leases, owner)
 end
-return k
+return left
 """,
     # ARGV: owner. Returns the freed pages, sorted; they join the free list in that order.
     "release": """
 local owner = ARGV[3]
 local okey = owner_prefix .. owner
-if not registered() then return fail('LEDGER', NOT_REGISTERED) end
+if not registered() then return unregistered() end
 local pages = redis.call('SMEMBERS', okey)
 table.sort(pages, by_number)
 for _, page in ipairs(pages) do
@@ -181,58 +259,57 @@ return out
 """,
     # ARGV: ttl_ms, owners... Renews only existing leases; returns the owners that hold none.
     "renew": """
-if not registered() then return fail('LEDGER', NOT_REGISTERED) end
-local expiry = int(now_ms() + tonumber(ARGV[3]))
-local missing = {}
-for i = 4, #ARGV do
-  if redis.call('ZSCORE', leases, ARGV[i]) then
-    redis.call('ZADD', leases, expiry, ARGV[i])
-  else
-    missing[#missing + 1] = ARGV[i]
-  end
-end
-return missing
+if not registered() then return unregistered() end
+return renew(int(now_ms() + tonumber(ARGV[3])), 4)
 """,
     # ARGV: now_ms or '' for Redis TIME. Returns {{owner, expired_at_ms, {page, epoch, ...}}, ...}.
     "reap": """
-if not registered() then return fail('LEDGER', NOT_REGISTERED) end
-local now = tonumber(ARGV[3]) or now_ms()
-local expired = redis.call('ZRANGEBYSCORE', leases, '-inf', int(now), 'WITHSCORES')
-local events, doomed = {}, {}
-for i = 1, #expired, 2 do
-  local owner = expired[i]
-  local pages = redis.call('SMEMBERS', owner_prefix .. owner)
-  table.sort(pages, by_number)
-  local flat = {}
-  for _, page in ipairs(pages) do
-    local e = redis.call('HGET', page_epoch, page)
-    if redis.call('HGET', page_owner, page) ~= owner or not e then
-      return misfiled(owner, page)
-    end
-    flat[#flat + 1] = tonumber(page)
-    flat[#flat + 1] = tonumber(e)
-  end
-  events[#events + 1] = {owner, tonumber(expired[i + 1]), flat}
-  doomed[#doomed + 1] = pages
-end
-for i, ev in ipairs(events) do
-  local owner = ev[1]
-  for _, page in ipairs(doomed[i]) do
-    redis.call('HDEL', page_owner, page)
-    redis.call('HDEL', page_epoch, page)
-    redis.call('SADD', dirty, page)
-  end
-  redis.call('DEL', owner_prefix .. owner)
-  redis.call('SREM', owners, owner)
-  redis.call('ZREM', leases, owner)
-end
-return events
+if not registered() then return unregistered() end
+local events, err = reap(tonumber(ARGV[3]) or now_ms())
+return err or events
 """,
-    # ARGV: pages... All or nothing; clean pages join the free list in the given order.
+    # The worker's heartbeat, atomically: renew the owners it runs, then reap every other expired owner.
+    # No clock step can expire a lease its worker is renewing here. ARGV: ttl_ms, now_ms or '', floor,
+    # owners... Returns {missing owners, reap events}.
+    "beat": """
+if not registered() then return unregistered() end
+local stale = behind(tonumber(ARGV[5]))
+if stale then return stale end
+local now = tonumber(ARGV[4]) or now_ms()
+local missing = renew(int(now + tonumber(ARGV[3])), 6)
+local events, err = reap(now)
+return err or {missing, events}
+""",
+    # ARGV: claimer. Claims every dirty page nobody has claimed; returns them sorted. Two beats never
+    # hand the same dirty page to a scrubber twice.
+    "claim_dirty": """
+if not registered() then return unregistered() end
+local out = {}
+for _, page in ipairs(redis.call('SMEMBERS', dirty)) do
+  if redis.call('HSETNX', scrubbing, page, ARGV[3]) == 1 then out[#out + 1] = tonumber(page) end
+end
+table.sort(out)
+return out
+""",
+    # ARGV: owner, k, k pages, k epochs. 1 when the owner holds every page at its epoch under a lease.
+    "holds": """
+if not registered() then return unregistered() end
+local owner, k = ARGV[3], tonumber(ARGV[4])
+if not redis.call('ZSCORE', leases, owner) then return 0 end
+for i = 1, k do
+  local page = ARGV[4 + i]
+  if redis.call('HGET', page_owner, page) ~= owner or redis.call('HGET', page_epoch, page) ~= ARGV[4 + k + i] then
+    return 0
+  end
+end
+return 1
+""",
+    # ARGV: claimer, pages... All or nothing: every page dirty and claimed by this claimer (it scrubbed
+    # them); clean pages join the free list in the given order.
     "mark_clean": """
-if not registered() then return fail('LEDGER', NOT_REGISTERED) end
-local seen = {}
-for i = 3, #ARGV do
+if not registered() then return unregistered() end
+local claimer, seen = ARGV[3], {}
+for i = 4, #ARGV do
   local page = ARGV[i]
   if seen[page] then
     return fail('LEDGER', 'page ' .. page .. ' is listed twice; mark each page clean once')
@@ -242,12 +319,17 @@ for i = 3, #ARGV do
     return fail('LEDGER', 'cannot mark page ' .. page .. ' clean: ' .. state_of(page)
       .. '; only pages from take_dirty() need scrubbing')
   end
+  if redis.call('HGET', scrubbing, page) ~= claimer then
+    return fail('LEDGER', claimer .. ' cannot mark page ' .. page .. ' clean: ' .. state_of(page)
+      .. '; claim it with take_dirty() and scrub it first')
+  end
 end
-for i = 3, #ARGV do
+for i = 4, #ARGV do
   redis.call('SREM', dirty, ARGV[i])
+  redis.call('HDEL', scrubbing, ARGV[i])
   redis.call('RPUSH', free, ARGV[i])
 end
-return #ARGV - 2
+return #ARGV - 3
 """,
     "pages_of": """
 local out = {}
@@ -274,6 +356,8 @@ return {
   redis.call('ZRANGE', leases, 0, -1, 'WITHSCORES'),
   redis.call('GET', epoch) or '0',
   redis.call('SISMEMBER', pools, pool),
+  redis.call('HGETALL', scrubbing),
+  redis.call('HGET', meta, 'generation') or '0',
 }
 """,
 }
@@ -308,6 +392,8 @@ def _run(script, keys: list[str], args: list) -> object:
             raise IntegrityError(message) from None
         if kind == "LEDGER":
             raise LedgerError(message) from None
+        if kind == "UNREGISTERED":
+            raise PoolLost(message) from None
         raise
 
 
@@ -333,6 +419,8 @@ class _Facts:
     leases: dict[str, int]
     epoch_counter: int
     is_listed: bool
+    scrubbing: dict[int, str]
+    generation: int
 
 
 class RedisLedger:
@@ -361,6 +449,8 @@ class RedisLedger:
         self.role = meta["role"]
         self.num_pages = int(meta["num_pages"])
         self.page_size = int(meta["page_size"])
+        self.generation = int(meta.get("generation", 0))
+        self.max_epoch = 0  # the highest epoch this client was granted or registered above: the fencing floor
 
     @classmethod
     def register(
@@ -372,8 +462,10 @@ class RedisLedger:
         page_size: int,
         prefix: str = "kvs",
         lease_ttl_s: float = 30.0,
+        generation: int = 0,
     ) -> "RedisLedger":
-        """Create the pool, or reset it (a restarted worker's tensor is fresh); epochs stay monotonic."""
+        """Create the pool, or reset it (a restarted worker's tensor is fresh); epochs stay monotonic,
+        and those of `generation` start above generation * GENERATION_SPAN."""
         _check_pool_id(pool_id)
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
@@ -381,8 +473,19 @@ class RedisLedger:
             raise ValueError(f"num_pages and page_size must be positive, got {num_pages} and {page_size}")
         script = redis_client.register_script(_PREAMBLE + _SCRIPTS["register"])
         owner_prefix = ledger_key(prefix, pool_id, "owner:")
-        _run(script, _pool_keys(prefix, pool_id), [owner_prefix, pool_id, role, num_pages, page_size])
-        return cls(redis_client, pool_id, prefix, lease_ttl_s)
+        floor = generation * GENERATION_SPAN
+        _run(script, _pool_keys(prefix, pool_id), [owner_prefix, pool_id, role, num_pages, page_size, generation, floor])
+        ledger = cls(redis_client, pool_id, prefix, lease_ttl_s)
+        ledger.max_epoch = floor
+        return ledger
+
+    def reset(self) -> None:
+        """Register this pool again as a new generation, after its records were lost: every epoch it
+        grants from now on is above every epoch this client has seen (and above any lost grant's)."""
+        generation = max(self.generation + 1, self.max_epoch // GENERATION_SPAN + 1)
+        again = self.register(self.redis, self.pool_id, self.role, self.num_pages, self.page_size, self.prefix,
+                              self.lease_ttl_s, generation=generation)
+        self.generation, self.max_epoch = again.generation, again.max_epoch
 
     def key(self, part: str) -> str:
         return ledger_key(self.prefix, self.pool_id, part)
@@ -409,19 +512,21 @@ class RedisLedger:
         _check_owner(owner)
         if n < 0:
             raise LedgerError(f"pool {self.pool_id}: cannot allocate {n} pages; ask for 0 or more")
-        flat = self._call("grant", owner, n, _ms(self.lease_ttl_s), int(must_hold))
+        flat = self._call("grant", owner, n, _ms(self.lease_ttl_s), int(must_hold), self.max_epoch)
         if flat is None:
             return None
-        return Grant(tuple(flat[0::2]), tuple(flat[1::2]))
+        grant = Grant(tuple(flat[0::2]), tuple(flat[1::2]))
+        self.max_epoch = max(self.max_epoch, *grant.epochs) if grant.epochs else self.max_epoch
+        return grant
 
-    def free(self, owner: str, pages: Sequence[int], epochs: Sequence[int]) -> None:
-        """Return pages to the tail of the free list; all or nothing, only at the epochs they were granted."""
+    def free(self, owner: str, pages: Sequence[int], epochs: Sequence[int]) -> int | None:
+        """Return pages to the tail of the free list; all or nothing, only at the epochs they were granted.
+        Returns how many pages the owner still holds (None when nothing was listed)."""
         _check_owner(owner)
         pages, epochs = [int(p) for p in pages], [int(e) for e in epochs]
         if len(pages) != len(epochs):
             raise LedgerError(f"pool {self.pool_id}: free got {len(pages)} pages but {len(epochs)} epochs")
-        if pages:
-            self._call("free", owner, len(pages), *pages, *epochs)
+        return self._call("free", owner, len(pages), *pages, *epochs) if pages else None
 
     def release(self, owner: str) -> list[int]:
         """Free everything the owner holds and drop its lease; returns the pages, sorted."""
@@ -434,22 +539,38 @@ class RedisLedger:
         return [_str(o) for o in self._call("renew", ttl_ms, *owners)] if owners else []
 
     def reap_expired(self, now_ms: int | None = None) -> list[ReclaimEvent]:
-        """Move the pages of every owner whose lease expired to the dirty set (never straight to free)."""
-        events = self._call("reap", "" if now_ms is None else int(now_ms))
-        return [
-            ReclaimEvent(self.pool_id, _str(owner), tuple(flat[0::2]), tuple(flat[1::2]), expired_at_ms)
-            for owner, expired_at_ms, flat in events
-        ]
+        """Move the pages of every owner whose lease expired to the dirty set (never straight to free).
+        Its worker does this in `beat`; others call it only to inject a lost lease (tests)."""
+        return list(self._events(self._call("reap", "" if now_ms is None else int(now_ms))))
 
-    def take_dirty(self) -> list[int]:
-        """Pages waiting to be scrubbed, sorted; they stay dirty until mark_clean."""
-        return sorted(int(p) for p in self.redis.smembers(self.key("dirty")))
+    def _events(self, events) -> tuple[ReclaimEvent, ...]:
+        return tuple(ReclaimEvent(self.pool_id, _str(owner), tuple(flat[0::2]), tuple(flat[1::2]), expired_at_ms)
+                     for owner, expired_at_ms, flat in events)
 
-    def mark_clean(self, pages: Sequence[int]) -> None:
-        """Scrubbed pages join the tail of the free list; every page must be dirty (all or nothing)."""
+    def beat(self, owners: Sequence[str], now_ms: int | None = None) -> Beat:
+        """The pool worker's heartbeat, one atomic script: renew `owners` (the requests it runs), then
+        reap every other owner whose lease expired (Redis TIME, or `now_ms`). Raises PoolLost when the
+        pool is gone or its epoch counter is behind what this client was granted."""
+        missing, events = self._call("beat", _ms(self.lease_ttl_s), "" if now_ms is None else int(now_ms),
+                                     self.max_epoch, *owners)
+        return Beat(tuple(_str(o) for o in missing), self._events(events))
+
+    def holds(self, owner: str, pages: Sequence[int], epochs: Sequence[int]) -> bool:
+        """Whether `owner` holds every page at its epoch, under a lease."""
+        pages, epochs = [int(p) for p in pages], [int(e) for e in epochs]
+        return bool(self._call("holds", owner, len(pages), *pages, *epochs))
+
+    def take_dirty(self, claimer: str) -> list[int]:
+        """Claims, for `claimer` to scrub, every dirty page no one has claimed; sorted. They stay dirty
+        (and claimed) until `mark_clean`: a page is never handed to two scrubs."""
+        return [int(p) for p in self._call("claim_dirty", claimer)]
+
+    def mark_clean(self, pages: Sequence[int], claimer: str) -> None:
+        """Scrubbed pages join the tail of the free list; each must be dirty and claimed by `claimer`
+        (all or nothing)."""
         pages = [int(p) for p in pages]
         if pages:
-            self._call("mark_clean", *pages)
+            self._call("mark_clean", claimer, *pages)
 
     def owner_of(self, page: int) -> tuple[str, int] | None:
         with self.redis.pipeline(transaction=True) as pipe:
@@ -462,9 +583,8 @@ class RedisLedger:
         return dict(sorted(zip(flat[0::2], flat[1::2])))
 
     def _facts(self) -> _Facts:
-        (num_pages, free, dirty, owner_flat, epoch_flat, index, names, sets, lease_flat, counter, listed) = (
-            self._call("facts")
-        )
+        (num_pages, free, dirty, owner_flat, epoch_flat, index, names, sets, lease_flat, counter, listed,
+         scrubbing, generation) = self._call("facts")
         return _Facts(
             num_pages=None if num_pages is None else int(num_pages),
             free=[int(p) for p in free],
@@ -476,6 +596,8 @@ class RedisLedger:
             leases={_str(o): int(float(t)) for o, t in zip(lease_flat[0::2], lease_flat[1::2])},
             epoch_counter=int(counter),
             is_listed=bool(listed),
+            scrubbing={int(p): _str(c) for p, c in zip(scrubbing[0::2], scrubbing[1::2])},
+            generation=int(generation),
         )
 
     def snapshot(self) -> dict[int, dict | str]:
@@ -590,6 +712,8 @@ def _integrity_problems(f: _Facts) -> list[str]:
         )
     if shared := _repeated(epochs.values()):
         problems.append(f"pages share an epoch: {_few(shared)}")
+    if claimed_clean := sorted(f.scrubbing.keys() - dirty):
+        problems.append(f"pages claimed for scrubbing that are not dirty: {_few(claimed_clean)}")
     if not f.is_listed:
         problems.append("the pool is missing from the pools set")
     return problems

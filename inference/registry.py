@@ -1,6 +1,10 @@
-"""The worker registry: which prefill/decode workers are alive, what they can hold, which are quarantined.
+"""The worker registry: which prefill/decode workers are alive, what they can hold, which are quarantined,
+and which have stopped answering.
 
 Owns the Redis keys under `{prefix}:workers:` only (the ledger module owns the page keys). No Django.
+A registration expires with its TTL, on Redis' clock; that alone never makes a worker dead (a paused
+worker's registration lapses too, and so does everyone's when Redis' clock steps). `silence` counts
+the observer's rounds in which a worker did not beat at all: clock-free evidence that it stopped.
 """
 from __future__ import annotations
 
@@ -24,6 +28,23 @@ for i, id in ipairs(ARGV) do
   end
 end
 return removed
+"""
+
+# KEYS: beats, observed. ARGV: worker ids. Per id: rounds since its beat count last moved (0 when it moved).
+_SILENCE_LUA = """
+local out = {}
+for i, id in ipairs(ARGV) do
+  local beats = redis.call('HGET', KEYS[1], id) or '0'
+  local seen = redis.call('HGET', KEYS[2], id)
+  local rounds = 0
+  if seen then
+    local at = string.find(seen, ':', 1, true)
+    if string.sub(seen, 1, at - 1) == beats then rounds = tonumber(string.sub(seen, at + 1)) + 1 end
+  end
+  redis.call('HSET', KEYS[2], id, beats .. ':' .. rounds)
+  out[i] = rounds
+end
+return out
 """
 
 
@@ -83,6 +104,7 @@ class Registry:
         self.prefix = prefix
         self.ttl_ms = int(ttl_s * 1000)
         self._prune = redis.register_script(_PRUNE_LUA)
+        self._silence = redis.register_script(_SILENCE_LUA)
 
     def key(self, kind: str, worker_id: str | None = None) -> str:
         """The one place registry key names are built: {prefix}:workers:{kind}[:{worker_id}]."""
@@ -99,6 +121,7 @@ class Registry:
         pipe = self.redis.pipeline()
         pipe.set(self.key("info", info.worker_id), json.dumps(info.to_dict()), px=self.ttl_ms)
         pipe.sadd(self.key("index"), info.worker_id)
+        pipe.hincrby(self.key("beats"), info.worker_id, 1)
         pipe.execute()
         return self._with_quarantine(info)
 
@@ -116,6 +139,7 @@ class Registry:
         pipe = self.redis.pipeline()
         pipe.set(self.key("info", worker_id), json.dumps(info.to_dict()), px=self.ttl_ms)
         pipe.sadd(self.key("index"), worker_id)
+        pipe.hincrby(self.key("beats"), worker_id, 1)
         pipe.execute()
         return self._with_quarantine(info)
 
@@ -124,6 +148,25 @@ class Registry:
         pipe = self.redis.pipeline()
         pipe.delete(self.key("info", worker_id))
         pipe.srem(self.key("index"), worker_id)
+        pipe.execute()
+
+    # --- silence (the periodic reaper's evidence that a worker stopped) ------------------
+
+    def silence(self, worker_ids) -> dict[str, int]:
+        """One observation round: per worker, how many consecutive rounds (this one included) found its
+        beat count unchanged since the previous round; 0 when it beat in between (or is seen first).
+        Observe at intervals longer than a heartbeat: a live worker then always reads 0."""
+        ids = sorted(set(worker_ids))
+        if not ids:
+            return {}
+        rounds = self._silence(keys=[self.key("beats"), self.key("observed")], args=ids)
+        return dict(zip(ids, (int(r) for r in rounds)))
+
+    def forget(self, worker_id: str) -> None:
+        """Drops a gone worker's beat count and observations (its quarantine, if any, stays)."""
+        pipe = self.redis.pipeline()
+        pipe.hdel(self.key("beats"), worker_id)
+        pipe.hdel(self.key("observed"), worker_id)
         pipe.execute()
 
     # --- reads ----------------------------------------------------------------------------

@@ -301,8 +301,7 @@ class IncidentReplay:
                 engine.scheduler.remove(seq)
             engine.seqs.pop(rid, None)
             engine.block_manager.forget(engine.block_manager.allocator.release(rid))
-        self.decode.violations.clear()
-        self.decode.quarantined = False
+        self.decode.take_violations()
 
     def free_pages(self) -> dict:
         return {"prefill": self.prefill.block_manager.num_free(), "decode": self.decode.block_manager.num_free()}

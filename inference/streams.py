@@ -27,6 +27,10 @@ def is_final(event: dict) -> bool:
     return event["type"] in ("done", "error")
 
 
+class ReaderStopped(Exception):
+    """The reader's caller stopped waiting (e.g. its HTTP client went away)."""
+
+
 class OutputStream:
     def __init__(self, redis, prefix: str = "kvs", ttl_s: int = 3600, replay_s: int = 60):
         self.redis = redis
@@ -74,16 +78,20 @@ class OutputStream:
     def publish(self, request_id: str, event: dict) -> None:
         self.publish_many([(request_id, event)])
 
-    def read(self, request_id: str, timeout_s: float, last_id: str = "0-0"):
-        """Yields events until a final one (done/error); raises TimeoutError when none comes in time."""
+    def read(self, request_id: str, timeout_s: float, last_id: str = "0-0", stop=None):
+        """Yields events until a final one (done/error); raises TimeoutError when none comes in time, and
+        ReaderStopped soon after `stop` (a threading.Event) is set."""
         key = self.key(request_id)
         deadline = time.monotonic() + timeout_s
+        block_s = 2.0 if stop is None else 0.25
         while True:
+            if stop is not None and stop.is_set():
+                raise ReaderStopped(request_id)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"no output for {request_id} within {timeout_s}s")
             # short blocking reads: a client's socket timeout (redis-py's default is 5 s) never trips
-            reply = self.redis.xread({key: last_id}, block=max(1, int(min(left, 2.0) * 1000)), count=256)
+            reply = self.redis.xread({key: last_id}, block=max(1, int(min(left, block_s) * 1000)), count=256)
             if not reply:
                 continue
             for last_id, event in decode_entries(reply):

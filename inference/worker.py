@@ -1,8 +1,20 @@
-"""One worker process's engine host: the engine with its Redis-ledger pool, one continuous-batching
-loop thread that owns the engine, and a heartbeat thread (registry, leases, reaping, quarantine).
+"""One worker process's engine host: the engine with its Redis-ledger pool, one continuous-batching loop
+thread that owns the engine, and a heartbeat thread (leases, dirty pages, registry, quarantine, and a
+watchdog on the loop).
 
-Task threads (Celery's threads pool) call `prefill()` / `decode()`, which block until the loop
-has finished their request; every request of the process shares the loop's batch.
+Task threads (Celery's threads pool) call `prefill()` / `decode()`, which block until the loop has finished
+their request; every request of the process shares the loop's batch. Everything handed to the loop is a
+typed command. Every request the loop gives up on gets an error event and a `RequestFailed` with its code:
+
+  lease_lost          the ledger took the request's pages back (its lease was reaped); scrubbed here
+  pool_lost           the pool's records vanished from Redis; the whole tensor is scrubbed and a new pool
+                      generation registered, without a restart
+  kv_isolation_violation  the read guard stopped it (a critical incident; the worker is quarantined)
+  engine_error        a step raised; the loop fails the requests in it and goes on
+  timeout, or a Cancel's code (client_disconnected, worker_lost, ...)  someone gave up on it
+
+A loop that cannot go on (failures that persist, or no progress for `loop_stall_s`) is never advertised:
+the worker unregisters and exits with EXIT_LOOP_DEAD for its supervisor to restart it.
 """
 import logging
 import os
@@ -13,12 +25,17 @@ import time
 import uuid
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
 
+import redis as redis_lib
 import torch
 
+from inference.allocator import LedgerError, PoolLost
+from inference.cancel import Cancel, Cancellations
 from inference.engine import Engine, EngineConfig
 from inference.handoff import Handoff, HandoffRefused, Verdict, verify_for_decode
+from inference.host_ledger import UNREACHABLE, HostLedger
 from inference.ledger import RedisLedger, check_eviction_policy
 from inference.loader import load_model
 from inference.registry import Registry, WorkerInfo, WorkerNotRegistered
@@ -30,10 +47,24 @@ from inference.transport import RedisTransport
 log = logging.getLogger(__name__)
 
 CLIENT_ISOLATION_ERROR = "the request was stopped by a KV-cache isolation check; no content was returned"
+LEASE_LOST_ERROR = ("the request's page lease expired before it finished (its worker was paused or cut off "
+                    "from Redis); its pages were scrubbed and no further content will come")
+POOL_LOST_ERROR = ("the worker's page pool vanished from Redis (restart, failover or flush); the request was "
+                   "stopped, the worker scrubbed its pages and serves again")
+EXIT_LOOP_DEAD = 70  # the process exit status when the engine loop cannot go on
+MAX_OUTBOX = 100_000  # output events kept while Redis is unreachable
 
 
 class WindowTooLarge(Exception):
     """The pool holds fewer tokens than the window the worker would serve (invariant 4)."""
+
+
+class RequestFailed(Exception):
+    """A request this worker gave up on; `code` is what the client and the request's row show."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code, self.message = code, message
 
 
 @dataclass
@@ -43,6 +74,9 @@ class RuntimeOptions:
     registry_ttl_s: float = 15.0
     clamp_window: bool = False
     transport_ttl_s: int = 300
+    loop_stall_s: float = 300.0  # no loop progress for this long: the worker exits
+    loop_max_failures: int = 3  # consecutive failed loop iterations before the worker exits
+    cancel_poll_s: float = 0.1  # how often the loop looks for cancelled requests
 
     @classmethod
     def from_env(cls) -> "RuntimeOptions":
@@ -51,7 +85,13 @@ class RuntimeOptions:
                    lease_ttl_s=float(env.get("KVSERVE_LEASE_TTL_S", 30)),
                    registry_ttl_s=float(env.get("KVSERVE_REGISTRY_TTL_S", 15)),
                    clamp_window=env.get("KVSERVE_CLAMP_WINDOW", "") in ("1", "true", "yes"),
-                   transport_ttl_s=int(env.get("KVSERVE_TRANSPORT_TTL_S", 300)))
+                   transport_ttl_s=int(env.get("KVSERVE_TRANSPORT_TTL_S", 300)),
+                   loop_stall_s=float(env.get("KVSERVE_LOOP_STALL_S", 300)),
+                   loop_max_failures=int(env.get("KVSERVE_LOOP_MAX_FAILURES", 3)))
+
+    @property
+    def heartbeat_s(self) -> float:
+        return max(0.2, min(self.registry_ttl_s, self.lease_ttl_s) / 3)
 
 
 def check_window(num_pages: int, page_size: int, window: int, clamp: bool) -> int:
@@ -69,9 +109,78 @@ def check_window(num_pages: int, page_size: int, window: int, clamp: bool) -> in
     )
 
 
+def new_worker_id(role: str) -> str:
+    """role-host-pid-xxxx; the host part is cut so that an id always fits the fields that store it."""
+    return f"{role}-{socket.gethostname()[:64]}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+
+
+def exit_process(runtime, reason: str) -> None:
+    """The default for a loop that cannot go on: give task threads a moment to record their failures,
+    then exit non-zero so the supervisor starts a fresh process."""
+    time.sleep(2)
+    os._exit(EXIT_LOOP_DEAD)
+
+
+# ---- commands to the engine loop (the only thread that touches the engine) ----------------------
+
+@dataclass(frozen=True)
+class PrefillCommand:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    future: Future = field(default_factory=Future, compare=False)
+
+
+@dataclass(frozen=True)
+class DecodeCommand:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    first_token: int
+    blob: torch.Tensor = field(compare=False)
+    num_transferred: int
+    future: Future = field(default_factory=Future, compare=False)
+
+
+@dataclass(frozen=True)
+class ReclaimCommand:
+    """Dirty pages this worker claimed in pool `generation`: fail whoever still holds one (lease lost),
+    scrub, mark clean."""
+
+    generation: int
+    pages: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LeaseCheckCommand:
+    """Owners the heartbeat renewed in pool `generation` that hold no lease: those still running lost it."""
+
+    generation: int
+    owners: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class CancelCommand:
+    cancel: Cancel
+
+
+@dataclass(frozen=True)
+class PoolLostCommand:
+    """The heartbeat found the pool gone while it was at `generation`."""
+
+    generation: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class StopCommand:
+    pass
+
+
 class WorkerRuntime:
     def __init__(self, role: str, redis, handoff_key: bytes, *, model=None, config: EngineConfig | None = None,
-                 options: RuntimeOptions | None = None, on_violation=None, on_reclaim=None, on_quarantine=None):
+                 options: RuntimeOptions | None = None, on_violation=None, on_reclaim=None, on_lease_lost=None,
+                 on_quarantine=None, on_fatal=None):
         self.role = role
         self.redis = redis
         self.handoff_key = handoff_key
@@ -82,20 +191,38 @@ class WorkerRuntime:
         num_pages = config.pages_for(model.config, getattr(torch, config.dtype))
         config.window = check_window(num_pages, config.page_size, config.window or model.config.max_position,
                                      opts.clamp_window)
-        self.worker_id = f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
-        self.engine = Engine(model, config, allocator_factory=lambda n: RedisLedger.register(
-            redis, self.worker_id, role, n, config.page_size, prefix=opts.prefix, lease_ttl_s=opts.lease_ttl_s))
-        self.ledger: RedisLedger = self.engine.block_manager.allocator
+        self.worker_id = new_worker_id(role)
+        hosts = []
+
+        def allocator(n: int) -> HostLedger:
+            hosts.append(HostLedger(RedisLedger.register(redis, self.worker_id, role, n, config.page_size,
+                                                         prefix=opts.prefix, lease_ttl_s=opts.lease_ttl_s)))
+            return hosts[0]
+
+        self.engine = Engine(model, config, allocator_factory=allocator)
+        self._host: HostLedger = hosts[0]
+        self.ledger: RedisLedger = self._host.ledger
         self.registry = Registry(redis, prefix=opts.prefix, ttl_s=opts.registry_ttl_s)
         self.transport = RedisTransport(redis, opts.prefix, opts.transport_ttl_s)
         self.outputs = OutputStream(redis, opts.prefix)
+        self.cancels = Cancellations(redis, opts.prefix)
         self.on_violation = on_violation or (lambda runtime, violation: None)
         self.on_reclaim = on_reclaim or (lambda runtime, events: None)
+        self.on_lease_lost = on_lease_lost or (lambda runtime, request_id, pages: None)
         self.on_quarantine = on_quarantine or (lambda runtime, quarantined: None)
-        self.quarantined = False
+        self.on_fatal = on_fatal or exit_process
         self._commands: queue.Queue = queue.Queue()
-        self._futures: dict[str, Future] = {}
-        self._pending: deque = deque()  # verified decodes waiting for pages
+        self._futures: dict[str, Future] = {}  # requests this worker runs, by id
+        self._pending: deque[DecodeCommand] = deque()  # verified decodes waiting for pages
+        self._outbox: list[tuple[str, dict]] = []  # output events Redis has not taken yet
+        self._unclean: list[int] = []  # scrubbed pages whose mark_clean Redis has not taken yet
+        self._pool_down: str | None = None  # why, while the pool waits to be registered again
+        self._next_register = 0.0
+        self._next_cancel_poll = 0.0
+        self._tick = time.monotonic()  # the loop's progress stamp
+        self._failures = 0
+        self._dying = threading.Event()
+        self._consuming = True  # whether this worker consumes its queue (quarantine stops it)
         self._stop = threading.Event()
         self.registry.register(self.info())
         self._threads = [threading.Thread(target=self._loop, name="engine-loop", daemon=True),
@@ -107,32 +234,38 @@ class WorkerRuntime:
         e = self.engine
         return WorkerInfo(
             worker_id=self.worker_id, role=self.role, host=socket.gethostname(), pid=os.getpid(),
-            num_pages=e.pool.num_pages, page_size=e.pool.page_size, capacity_tokens=e.capacity_tokens,
-            window=e.window, model_fingerprint=e.fingerprint, dtype=e.config.dtype, device=str(e.pool.data.device),
-            attention_backend=e.attention_backend, scrub_policy=e.block_manager.scrub_policy,
-            faults=sorted(e.config.faults), quarantined=self.quarantined, started_at=time.time(),
-            heartbeat_at=time.time(),
+            num_pages=e.num_pages, page_size=e.page_size, capacity_tokens=e.capacity_tokens, window=e.window,
+            model_fingerprint=e.fingerprint, dtype=e.config.dtype, device=e.device,
+            attention_backend=e.attention_backend, scrub_policy=e.scrub_policy, faults=sorted(e.config.faults),
+            started_at=time.time(), heartbeat_at=time.time(),
         )
 
+    @property
+    def serving(self) -> bool:
+        """The loop runs and the pool is registered: what the heartbeat advertises."""
+        return not self._dying.is_set() and self._pool_down is None and self._threads[0].is_alive()
+
     # ---- called from task threads ------------------------------------------------------------
-    def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams, timeout_s: float = 600) -> Handoff:
-        """Prefills the prompt, sends its KV and returns the signed handoff (OK, REJECTED or FAILED)."""
+    def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams, timeout_s: float = 600,
+                still_wanted=None) -> Handoff:
+        """Prefills the prompt, sends its KV and returns the signed handoff: OK, or REJECTED when the prompt
+        cannot be held here. RequestFailed when the request could not be prefilled. `still_wanted()` is
+        asked just before the KV is sent; False (the request ended or was taken over meanwhile) sends
+        nothing and returns an ABORTED handoff."""
         e = self.engine
         base = dict(request_id=request_id, expected_tokens=len(prompt_ids), model_fingerprint=e.fingerprint,
-                    page_size=e.pool.page_size, dtype=e.config.dtype, prefill_worker=self.worker_id)
+                    page_size=e.page_size, dtype=e.config.dtype, prefill_worker=self.worker_id)
+        empty = dict(transferred_tokens=0, num_pages=0, page_checksums=(), page_epochs=())
         reason = e.admission_error(len(prompt_ids), params.max_tokens)
         if reason:  # never a placeholder: a prompt that cannot be held ends REJECTED, nothing taken or sent
-            return Handoff(verdict=Verdict.REJECTED, reason=reason, transferred_tokens=0, num_pages=0,
-                           page_checksums=(), page_epochs=(), **base).signed(self.handoff_key)
+            return Handoff(verdict=Verdict.REJECTED, reason=reason, **empty, **base).signed(self.handoff_key)
         try:
-            first, blob, sums, epochs = self._submit("prefill", request_id, prompt_ids, params).result(timeout_s)
+            first, blob, sums, epochs = self._run(PrefillCommand(request_id, prompt_ids, params), timeout_s)
         except RequestTooLarge as exc:
-            return Handoff(verdict=Verdict.REJECTED, reason=str(exc), transferred_tokens=0, num_pages=0,
-                           page_checksums=(), page_epochs=(), **base).signed(self.handoff_key)
-        except Exception as exc:
-            log.exception("prefill of %s failed", request_id)
-            return Handoff(verdict=Verdict.FAILED, reason=f"prefill failed: {exc}", transferred_tokens=0,
-                           num_pages=0, page_checksums=(), page_epochs=(), **base).signed(self.handoff_key)
+            return Handoff(verdict=Verdict.REJECTED, reason=str(exc), **empty, **base).signed(self.handoff_key)
+        if still_wanted is not None and not still_wanted():
+            return Handoff(verdict=Verdict.ABORTED, reason="the request ended while it was prefilled", **empty,
+                           **base).signed(self.handoff_key)
         handoff = Handoff(verdict=Verdict.OK, reason="", transferred_tokens=len(prompt_ids), num_pages=blob.shape[0],
                           page_checksums=tuple(sums), page_epochs=tuple(epochs), first_token=first,
                           **base).signed(self.handoff_key)
@@ -141,11 +274,11 @@ class WorkerRuntime:
 
     def decode(self, request_id: str, prompt_ids: list[int], params: SamplingParams, handoff: dict,
                timeout_s: float = 3600) -> Sequence:
-        """Verifies the handoff (HandoffRefused otherwise), pulls the KV, then decodes to the end,
-        publishing output events. Pages are allocated only after verification."""
+        """Verifies the handoff (HandoffRefused otherwise), pulls the KV, then decodes to the end, publishing
+        output events; the finished sequence, or RequestFailed. Pages are allocated only after verification."""
         e = self.engine
         h = Handoff.from_dict(handoff)
-        verify_for_decode(h, self.handoff_key, fingerprint=e.fingerprint, page_size=e.pool.page_size,
+        verify_for_decode(h, self.handoff_key, fingerprint=e.fingerprint, page_size=e.page_size,
                           dtype=e.config.dtype, check="no_handoff_check" not in e.config.faults)
         if h.request_id != request_id or h.expected_tokens != len(prompt_ids):
             raise HandoffRefused("handoff_mismatch", f"handoff is for {h.request_id} with {h.expected_tokens} "
@@ -153,162 +286,359 @@ class WorkerRuntime:
         started = time.perf_counter()
         blob = self.transport.receive(h)
         transfer_ms = (time.perf_counter() - started) * 1000
-        seq = self._submit("decode", request_id, prompt_ids, params, h.first_token, blob,
-                           h.transferred_tokens).result(timeout_s)
+        seq = self._run(DecodeCommand(request_id, prompt_ids, params, h.first_token, blob, h.transferred_tokens),
+                        timeout_s)
         seq.transfer_ms = round(transfer_ms, 2)
         return seq
 
     def stop(self) -> None:
         self._stop.set()
-        self._commands.put(("noop",))
+        self._commands.put(StopCommand())
         for t in self._threads:
             t.join(timeout=5)
+        for rid, fut in list(self._futures.items()):
+            if not fut.done():
+                fut.set_exception(RequestFailed("worker_stopping", "the worker is shutting down"))
         try:
             self.registry.unregister(self.worker_id)
             self.ledger.unregister()
         except Exception:
             log.exception("unregistering %s", self.worker_id)
 
-    def _submit(self, kind, request_id, *args) -> Future:
-        fut: Future = Future()
-        self._commands.put((kind, request_id, fut, *args))
-        return fut
+    def _run(self, cmd, timeout_s: float):
+        self._commands.put(cmd)
+        try:
+            return cmd.future.result(timeout_s)
+        except FutureTimeout:
+            message = f"the worker did not finish the request within {timeout_s:.0f}s"
+            self._commands.put(CancelCommand(Cancel(cmd.request_id, "timeout", message)))
+            raise RequestFailed("timeout", message) from None
 
     # ---- the engine loop (the only thread touching the engine) ----------------------------
     def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._tick = time.monotonic()
+                self._iterate()
+        except BaseException as exc:  # its own failure handling failed, or failures persist
+            log.critical("engine loop of %s cannot go on", self.worker_id, exc_info=True)
+            self._die(f"the engine loop cannot go on: {type(exc).__name__}: {exc}")
+
+    def _iterate(self) -> None:
         e = self.engine
-        while not self._stop.is_set():
-            idle = not e.has_work and not self._pending
+        busy = e.has_work or self._pending or self._outbox or self._unclean or self._pool_down is not None
+        try:
+            self._apply_all(self._drain(0 if e.has_work else 0.05 if busy else 0.5))
+            if self._pool_down is not None:
+                return self._register_again()
+            self._flush()
+            self._poll_cancels()
+            self._mark_clean()
+            self._admit_pending()
+            if e.has_work:
+                self._handle(e.step())
+            if self._host.pool_lost:
+                raise PoolLost(self._host.pool_lost)
+            self._failures = 0
+        except PoolLost as exc:
+            self._lose_pool(str(exc))
+        except Exception as exc:  # a bug or a broken backend: fail the requests in flight, closed
+            self._failures += 1
+            log.exception("engine loop iteration failed (%d in a row)", self._failures)
+            self._fail_all("engine_error", f"the engine failed: {type(exc).__name__}: {exc}")
+            if self._failures >= self.options.loop_max_failures:
+                raise
+
+    def _drain(self, timeout_s: float) -> list:
+        cmds = []
+        try:
+            cmds.append(self._commands.get(timeout=timeout_s) if timeout_s else self._commands.get_nowait())
+            while True:
+                cmds.append(self._commands.get_nowait())
+        except queue.Empty:
+            return cmds
+
+    def _apply_all(self, cmds: list) -> None:
+        """Every command is applied (or its future failed) even when one of them raises."""
+        lost = None
+        for cmd in cmds:
             try:
-                cmd = self._commands.get(timeout=0.5) if idle else self._commands.get_nowait()
-                while True:
-                    self._apply(cmd)
-                    cmd = self._commands.get_nowait()
-            except queue.Empty:
-                pass
-            try:
-                self._admit_pending()
-                if e.has_work:
-                    self._handle(e.step())
-            except Exception as exc:  # a bug: fail every request in flight, closed, and keep serving
-                log.exception("engine step failed")
-                for rid in list(self._futures):
-                    self._finish_failed(rid, f"engine error: {exc}")
+                self._apply(cmd)
+            except PoolLost as exc:
+                lost = exc
+            except Exception as exc:
+                log.exception("engine loop command %s failed", type(cmd).__name__)
+                future = getattr(cmd, "future", None)
+                if future is not None and not future.done():
+                    future.set_exception(exc)
+        if lost is not None:
+            raise lost
 
     def _apply(self, cmd) -> None:
-        kind = cmd[0]
-        if kind == "noop":
-            return
-        if kind == "scrub":
-            pages = cmd[1]
-            self.engine.pool.scrub(pages)
-            self.engine.block_manager.forget(pages)
-            self.ledger.mark_clean(pages)
-            return
-        _, rid, fut, *args = cmd
-        self._futures[rid] = fut
-        if kind == "prefill":
-            prompt_ids, params = args
+        if isinstance(cmd, (PrefillCommand, DecodeCommand)):
+            rid = cmd.request_id
+            if rid in self._futures or self.engine.has_request(rid):
+                cmd.future.set_exception(RequestFailed(
+                    "duplicate_delivery", f"request {rid} is already running on this worker; this copy was refused"))
+            elif self._pool_down is not None:
+                cmd.future.set_exception(RequestFailed("pool_lost", POOL_LOST_ERROR))
+            elif isinstance(cmd, PrefillCommand):
+                try:
+                    self.engine.add_request(rid, cmd.prompt_ids, cmd.params, prefill_only=True)
+                except Exception as exc:
+                    cmd.future.set_exception(exc)
+                else:
+                    self._futures[rid] = cmd.future
+            else:
+                self._futures[rid] = cmd.future
+                self._pending.append(cmd)
+        elif isinstance(cmd, (ReclaimCommand, LeaseCheckCommand)):
+            if self._pool_down is None and cmd.generation == self.ledger.generation:
+                self._reclaim(cmd.pages) if isinstance(cmd, ReclaimCommand) else self._check_leases(cmd.owners)
+        elif isinstance(cmd, CancelCommand):
+            if cmd.cancel.request_id in self._futures:
+                self._fail(cmd.cancel.request_id, cmd.cancel.code, cmd.cancel.message)
+        elif isinstance(cmd, PoolLostCommand):
+            if self._pool_down is None and cmd.generation == self.ledger.generation:
+                raise PoolLost(cmd.reason)
+
+    def _reclaim(self, pages: tuple[int, ...]) -> None:
+        for seq in self.engine.reclaim(pages):  # fails the holders and scrubs the pages
+            self._lease_lost(seq.request_id, pages)
+        self._unclean.extend(pages)
+
+    def _check_leases(self, owners: tuple[str, ...]) -> None:
+        for rid in owners:
+            held = self.engine.pages_of(rid)
             try:
-                self.engine.add_request(rid, prompt_ids, params, prefill_only=True)
-            except Exception as exc:
-                self._futures.pop(rid)
-                fut.set_exception(exc)
-        else:
-            self._pending.append((rid, *args))
+                if held and self.ledger.holds(rid, *held):
+                    continue  # granted again since the beat
+            except UNREACHABLE:
+                return  # the next beat asks again
+            if held:
+                for seq in self.engine.reclaim(held[0]):
+                    self._lease_lost(seq.request_id, held[0])
+            self._host.release(rid)  # whatever the ledger still lists for it (scrubbed above)
 
     def _admit_pending(self) -> None:
         while self._pending:
-            rid, prompt_ids, params, first, blob, transferred = self._pending[0]
+            cmd = self._pending[0]
+            rid = cmd.request_id
             try:
-                seq = self.engine.add_prefilled(rid, prompt_ids, first, blob, params, num_transferred=transferred)
-            except Exception as exc:
+                seq = self.engine.add_prefilled(rid, cmd.prompt_ids, cmd.first_token, cmd.blob, cmd.params,
+                                                num_transferred=cmd.num_transferred)
+            except PoolLost:
+                raise
+            except Exception as exc:  # never fits here (RequestTooLarge) or a bad blob: this request only
                 self._pending.popleft()
-                self._futures.pop(rid).set_exception(exc)
+                fut = self._futures.pop(rid, None)
+                if fut:
+                    fut.set_exception(exc)
                 continue
             if seq is None:
                 return  # does not fit now; retried after the next step frees pages
             self._pending.popleft()
             events = [(rid, {"type": "delta", "text": seq.text})] if seq.text else []
+            self._publish(events)
             if seq.is_done:
-                events.append((rid, self._final_event(seq)))
-                self.engine.seqs.pop(rid, None)
-                self._futures.pop(rid).set_result(seq)
-            self.outputs.publish_many(events)
+                self._finish([seq], self._host.take_refused())
 
     def _handle(self, events) -> None:
-        out = []
+        e = self.engine
+        out, finished, exported = [], [], {}
         for ev in events:
-            seq, rid = ev.seq, ev.seq.request_id
-            if seq.prefill_only:
-                if seq.status is SeqStatus.PREFILLED:
-                    blob, sums = self.engine.export_kv(seq)
-                    epochs = seq.page_epochs[: blob.shape[0]]
-                    self.engine.release(seq)
-                    self._futures.pop(rid).set_result((seq.output_ids[0], blob, sums, epochs))
-                elif seq.status is SeqStatus.FAILED:
-                    self.engine.seqs.pop(rid, None)
-                    self._futures.pop(rid).set_exception(RuntimeError(CLIENT_ISOLATION_ERROR))
-                continue
-            if ev.text_delta:
-                out.append((rid, {"type": "delta", "text": ev.text_delta}))
+            seq = ev.seq
+            if seq.prefill_only and seq.status is SeqStatus.PREFILLED:
+                blob, sums = e.export_kv(seq)
+                exported[seq.request_id] = (seq.output_ids[0], blob, sums, seq.page_epochs[: blob.shape[0]])
+                e.release(seq)
+            elif ev.text_delta:
+                out.append((seq.request_id, {"type": "delta", "text": ev.text_delta}))
             if ev.finished:
-                out.append((rid, self._final_event(seq)))
-                if seq.read_record:
-                    self.outputs.record_read(seq.read_record)
-                self.engine.seqs.pop(rid, None)
-                fut = self._futures.pop(rid, None)
-                if fut:
-                    fut.set_result(seq)
-        self.outputs.publish_many(out)
-        while self.engine.violations:
-            violation = self.engine.violations.pop(0)
-            self.quarantined = True
+                finished.append(seq)
+        self._publish(out)
+        self._finish(finished, self._host.take_refused(), exported)
+        e.pop_finished()
+        for violation in e.take_violations():  # each already failed its request closed, with its error event
             try:
                 self.registry.quarantine(self.worker_id, f"{violation.kind} by {violation.reader}")
                 self.on_violation(self, violation)
             except Exception:
                 log.exception("recording violation %s", violation)
 
-    def _final_event(self, seq: Sequence) -> dict:
-        if seq.status is SeqStatus.FAILED:
-            return {"type": "error", "code": "kv_isolation_violation", "message": CLIENT_ISOLATION_ERROR}
-        return {"type": "done", "finish_reason": seq.finish_reason,
-                "usage": {"prompt_tokens": seq.num_prompt_tokens, "completion_tokens": len(seq.output_ids)}}
+    def _finish(self, seqs: list[Sequence], refused: set[str], exported: dict | None = None) -> None:
+        """Final events and results for sequences that ended this step (`exported`: prefills' KV)."""
+        for seq in seqs:
+            rid = seq.request_id
+            if seq.status is SeqStatus.FAILED:
+                self._fail(rid, "kv_isolation_violation", CLIENT_ISOLATION_ERROR)
+            elif rid in refused:  # its free was refused: the ledger had already taken its pages back
+                self._lease_lost(rid, ())
+            elif seq.prefill_only:
+                fut = self._futures.pop(rid, None)
+                if fut:
+                    fut.set_result(exported[rid])
+            else:
+                self._publish([(rid, {"type": "done", "finish_reason": seq.finish_reason, "usage": {
+                    "prompt_tokens": seq.num_prompt_tokens, "completion_tokens": len(seq.output_ids)}})])
+                if seq.read_record:
+                    try:
+                        self.outputs.record_read(seq.read_record)
+                    except redis_lib.RedisError:
+                        log.warning("read record of %s not stored: Redis unreachable", rid)
+                fut = self._futures.pop(rid, None)
+                if fut:
+                    fut.set_result(seq)
 
-    def _finish_failed(self, rid: str, message: str) -> None:
+    def _lease_lost(self, rid: str, pages) -> None:
+        self._host.forget(rid)
+        self._fail(rid, "lease_lost", LEASE_LOST_ERROR)
+        try:
+            self.on_lease_lost(self, rid, list(pages))
+        except Exception:
+            log.exception("recording the lost lease of %s", rid)
+
+    def _fail(self, rid: str, code: str, message: str) -> None:
+        """Ends one request here: aborted in the engine (pages freed and scrubbed), error event, RequestFailed."""
         fut = self._futures.pop(rid, None)
         self.engine.abort(rid, message)
-        self.engine.seqs.pop(rid, None)
-        self.outputs.publish(rid, {"type": "error", "code": "engine_error", "message": message})
+        if any(c.request_id == rid for c in self._pending):
+            self._pending = deque(c for c in self._pending if c.request_id != rid)
+        self._publish([(rid, {"type": "error", "code": code, "message": message})])
         if fut and not fut.done():
-            fut.set_exception(RuntimeError(message))
+            fut.set_exception(RequestFailed(code, message))
+
+    def _fail_all(self, code: str, message: str) -> None:
+        for rid in list(self._futures):
+            self._fail(rid, code, message)
+
+    def _lose_pool(self, reason: str) -> None:
+        log.error("pool %s lost (%s): failing its requests, scrubbing its tensor, registering a new generation",
+                  self.worker_id, reason)
+        self.engine.reset_pool(reason)
+        self._fail_all("pool_lost", POOL_LOST_ERROR)
+        self._pending.clear()
+        self._unclean, self._pool_down, self._next_register = [], reason, 0.0
+        self._register_again()
+
+    def _register_again(self) -> None:
+        if time.monotonic() < self._next_register:
+            return
+        try:
+            self._host.reset()
+            self.registry.register(self.info())
+        except Exception as exc:
+            self._next_register = time.monotonic() + 0.5
+            log.warning("pool %s not registered again yet: %r", self.worker_id, exc)
+            return
+        self._pool_down = None
+        log.warning("pool %s registered again as generation %d; serving", self.worker_id, self.ledger.generation)
+
+    def _poll_cancels(self) -> None:
+        now = time.monotonic()
+        if not self._futures or now < self._next_cancel_poll:
+            return
+        self._next_cancel_poll = now + self.options.cancel_poll_s
+        try:
+            cancels = self.cancels.pending(self._futures)
+        except UNREACHABLE:
+            return
+        for cancel in cancels:
+            self._fail(cancel.request_id, cancel.code, cancel.message)
+
+    def _mark_clean(self) -> None:
+        if not self._unclean:
+            return
+        try:
+            self.ledger.mark_clean(self._unclean, self.worker_id)
+        except UNREACHABLE:
+            return  # scrubbed and still dirty (claimed by us): retried next iteration
+        except PoolLost:
+            raise
+        except LedgerError:
+            log.exception("marking scrubbed pages %s clean", self._unclean)
+        self._unclean = []
+
+    def _publish(self, events: list[tuple[str, dict]]) -> None:
+        self._outbox.extend(events)
+        self._flush()
+
+    def _flush(self) -> None:
+        if not self._outbox:
+            return
+        try:
+            self.outputs.publish_many(self._outbox)
+        except redis_lib.RedisError as exc:
+            if len(self._outbox) > MAX_OUTBOX:
+                del self._outbox[: len(self._outbox) - MAX_OUTBOX]
+            log.warning("%d output events wait for Redis: %r", len(self._outbox), exc)
+            return
+        self._outbox = []
+
+    def _die(self, reason: str) -> None:
+        """The loop cannot go on: fail what it holds, stop being advertised, let the supervisor restart us."""
+        if self._dying.is_set():
+            return
+        self._dying.set()
+        self._stop.set()
+        log.critical("worker %s: %s; failing its requests, unregistering and exiting", self.worker_id, reason)
+        for rid, fut in list(self._futures.items()):
+            try:
+                self.outputs.publish(rid, {"type": "error", "code": "engine_error", "message": reason})
+            except Exception:
+                pass
+            if not fut.done():
+                fut.set_exception(RequestFailed("engine_error", reason))
+        for unregister in (lambda: self.registry.unregister(self.worker_id), self.ledger.unregister):
+            try:
+                unregister()
+            except Exception:
+                log.exception("unregistering %s", self.worker_id)
+        self.on_fatal(self, reason)
 
     # ---- heartbeat ---------------------------------------------------------------------------
     def _heartbeat(self) -> None:
-        interval = max(0.2, min(self.options.registry_ttl_s, self.options.lease_ttl_s) / 3)
-        while not self._stop.wait(interval):
+        while not self._stop.wait(self.options.heartbeat_s):
             try:
                 self.beat()
             except Exception:
                 log.exception("heartbeat failed")
 
-    def beat(self) -> None:
-        owners = [rid for rid, s in list(self.engine.seqs.items()) if s.block_table]
-        if owners:
-            self.ledger.renew_leases(owners)
-        reclaimed = self.ledger.reap_expired()
-        if reclaimed:
-            self.on_reclaim(self, reclaimed)
-        dirty = self.ledger.take_dirty()
+    def beat(self, now_ms: int | None = None) -> None:
+        """Watchdog, leases, dirty pages, registration, quarantine. `now_ms` overrides Redis' clock (tests)."""
+        if self._dying.is_set():
+            return
+        loop = self._threads[0]
+        stalled = time.monotonic() - self._tick
+        if not loop.is_alive() or stalled > self.options.loop_stall_s:
+            self._die("the engine loop is not running" if not loop.is_alive()
+                      else f"the engine loop made no progress for {stalled:.0f}s")
+            return
+        if self._pool_down is not None:
+            return  # not advertised until the loop registered the pool again
+        generation = self.ledger.generation
+        try:
+            beat = self._host.beat(now_ms=now_ms)
+            dirty = self.ledger.take_dirty(self.worker_id)
+        except PoolLost as exc:
+            self._commands.put(PoolLostCommand(generation, str(exc)))
+            return
+        if beat.missing:
+            self._commands.put(LeaseCheckCommand(generation, beat.missing))
         if dirty:
-            self._commands.put(("scrub", dirty))
-        quarantined = self.registry.is_quarantined(self.worker_id)
-        if quarantined != self.quarantined:
-            self.quarantined = quarantined
-            self.on_quarantine(self, quarantined)
+            self._commands.put(ReclaimCommand(generation, tuple(dirty)))
+        if beat.reclaimed:
+            try:
+                self.on_reclaim(self, list(beat.reclaimed))
+            except Exception:
+                log.exception("recording reclaimed leases %s", beat.reclaimed)
+        self._host.retry_deferred()
         try:
             self.registry.heartbeat(self.worker_id)
         except WorkerNotRegistered:  # expired while we were stalled: come back, visibly
             log.warning("registration of %s expired; registering again", self.worker_id)
             self.registry.register(self.info())
+        quarantined = self.registry.is_quarantined(self.worker_id)
+        if quarantined == self._consuming:
+            self._consuming = not quarantined
+            self.on_quarantine(self, quarantined)

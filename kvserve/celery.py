@@ -1,10 +1,11 @@
 """The Celery app: configured from Django settings (CELERY_*), tasks autodiscovered from installed apps.
 
-Redelivery is bounded. With acks_late + reject_on_worker_lost a task whose worker dies is put back
-on its queue, so a poison request could kill workers forever. Every inference task therefore takes
-only a request id, and its service first increments a delivery counter on the ChatRequest row in the
-same transaction that claims it; past settings.KVSERVE_TASK_MAX_DELIVERIES the service marks the
-request failed (fail closed, client gets an error) and the task returns without touching the engine.
+Deliveries are idempotent and redelivery is bounded. With acks_late + reject_on_worker_lost a task whose
+worker dies is put back on its queue, and a broker may deliver a task twice. Every inference task takes
+only a request id, and its service claims the ChatRequest row in one conditional UPDATE that also counts
+the delivery (kvserve/chat/services.py): a row another live delivery holds is not claimed (the copy
+returns), a prefill whose worker is gone may run again, and past settings.KVSERVE_TASK_MAX_DELIVERIES the
+service marks the request failed (fail closed, client gets an error) without touching the engine.
 Queues and routes: kvserve/settings/celery.py (inference.prefill* -> prefill, inference.decode* -> decode).
 """
 import os
@@ -12,6 +13,29 @@ import os
 from celery import Celery
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "kvserve.settings")
+
+
+def _survive_broker_restarts() -> None:
+    """celery 5.7 / kombu 5.7: after the Redis connection drops, the old channel still restores its unacked
+    messages on close and acks the tasks that finish afterwards, through a connection that is already
+    gone; that raises AttributeError, which is no connection error, so Celery calls it unrecoverable and the
+    worker process exits on every Redis restart. Raised as the connection error it is, kombu logs it and
+    the consumer reconnects. The messages involved come back by the visibility timeout (or were lost with
+    Redis), and a second delivery of a task is harmless here (claims are exclusive)."""
+    import redis
+    from kombu.transport import redis as kombu_redis
+
+    connparams = kombu_redis.Channel._connparams
+
+    def _connparams(self, *args, **kwargs):
+        if self.connection is None or self.connection.client is None:
+            raise redis.ConnectionError("this broker channel's connection is closed")
+        return connparams(self, *args, **kwargs)
+
+    kombu_redis.Channel._connparams = _connparams
+
+
+_survive_broker_restarts()
 
 app = Celery("kvserve")
 app.config_from_object("django.conf:settings", namespace="CELERY")

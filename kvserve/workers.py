@@ -9,7 +9,9 @@ from inference.registry import Registry
 
 @lru_cache(maxsize=8)
 def redis_client(url: str) -> redis.Redis:
-    return redis.Redis.from_url(url, health_check_interval=30)
+    """The process's client for short commands: a dead or cut-off server answers with an error within
+    seconds instead of hanging its caller (blocking reads use clients of their own)."""
+    return redis.Redis.from_url(url, health_check_interval=30, socket_timeout=10, socket_connect_timeout=5)
 
 
 def redis_get() -> redis.Redis:
@@ -20,6 +22,12 @@ def outputs_get():
     from inference.streams import OutputStream
 
     return OutputStream(redis_get(), prefix=settings.KVSERVE_LEDGER_PREFIX)
+
+
+def cancels_get():
+    from inference.cancel import Cancellations
+
+    return Cancellations(redis_get(), prefix=settings.KVSERVE_LEDGER_PREFIX)
 
 
 def registry_get() -> Registry:

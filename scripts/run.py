@@ -1,8 +1,8 @@
-"""`make run`: migrate, bootstrap the admin user and a demo key, start every kvserve process, print
-where to go; Ctrl-C or SIGTERM stops them all. Honours REDIS_URL, DATABASE_URL and KVSERVE_PORT."""
+"""`make run`: migrate, bootstrap the admin user and a demo key, start every kvserve process under a
+supervisor that restarts any that exits (scripts/supervisor.py), print where to go; only Ctrl-C or
+SIGTERM stops them all. Honours REDIS_URL, DATABASE_URL and KVSERVE_PORT."""
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -10,6 +10,9 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from scripts.supervisor import Supervisor  # noqa: E402
+
 PY = sys.executable
 
 
@@ -28,11 +31,11 @@ def processes(port: int) -> dict[str, list[str]]:
     }
 
 
-def wait_ready(url: str, procs, timeout_s: float = 120) -> bool:
+def wait_ready(url: str, supervisor: Supervisor, timeout_s: float = 180) -> bool:
+    """Supervises while waiting for the stack to answer: a process that fails at start is restarted."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if any(p.poll() is not None for p in procs.values()):
-            return False
+        supervisor.poll()
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status == 200:
@@ -50,30 +53,12 @@ def main() -> int:
     manage("setup_schedules")
     creds = json.loads(manage("bootstrap_demo").strip().splitlines()[-1])
     logs = ROOT / "var" / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    procs = {}
-    for name, cmd in processes(port).items():
-        out = open(logs / f"{name}.log", "ab")
-        procs[name] = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def stop(*_):
-        for p in procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-        sys.exit(0)
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    supervisor = Supervisor(processes(port), cwd=ROOT, log_dir=logs)
+    supervisor.start_all()
     base = f"http://127.0.0.1:{port}"
-    if not wait_ready(f"{base}/healthz", procs):
-        dead = [n for n, p in procs.items() if p.poll() is not None]
-        print(f"kvserve did not become ready (exited: {dead}); see {logs}/*.log", file=sys.stderr)
-        stop()
+    if not wait_ready(f"{base}/healthz", supervisor):
+        print(f"kvserve is not answering yet at {base}/healthz; still supervising (see {logs}/*.log)",
+              file=sys.stderr, flush=True)
     print(f"""
 kvserve is up.
   API         {base}/v1/chat/completions   (OpenAI-compatible)
@@ -82,18 +67,13 @@ kvserve is up.
   health      {base}/healthz
   admin login {creds['admin_user']} / {creds['admin_password']}
   API key     {creds['api_key']}
-  logs        {logs}/
+  logs        {logs}/   (supervisor.log: every exit and restart)
 
 curl {base}/v1/chat/completions -H "Authorization: Bearer {creds['api_key']}" \\
   -H "Content-Type: application/json" -d '{{"messages":[{{"role":"user","content":"What is the capital of France?"}}]}}'
 
-Ctrl-C stops everything.""", flush=True)
-    while True:
-        for name, p in procs.items():
-            if p.poll() is not None:
-                print(f"{name} exited with {p.returncode}; stopping (see {logs}/{name}.log)", file=sys.stderr)
-                stop()
-        time.sleep(1)
+A process that exits is restarted (with backoff); Ctrl-C stops everything.""", flush=True)
+    return supervisor.run()
 
 
 if __name__ == "__main__":

@@ -1,10 +1,17 @@
 """The canary suite: runs the checks, stores one CanaryRun, and turns every failed check into incidents
 (a critical one on a live worker quarantines it, through incident_record). `manage.py canary` and the
-scheduled task `kvserve.canary` both call `canary_run`."""
+scheduled task `kvserve.canary` both call `canary_run`.
+
+Every check runs in a thread of its own, bounded by KVSERVE_CANARY_CHECK_TIMEOUT_S: a check that has not
+returned by then fails, named ("did not finish within ..."), the run goes on to the next check and is
+stored. A canary that can hang is a detector that goes silent."""
 import logging
+import threading
 import time
 import uuid
 
+from django import db
+from django.conf import settings
 from django.utils import timezone
 
 from incidents.canary.handoff_contract import check_handoff_contract
@@ -38,15 +45,33 @@ def select_checks(only=None, skip=None) -> list[str]:
     return [n for n in CHECKS if n in names and n not in set(skip or ())]
 
 
-def _run_check(name: str, fn) -> CheckResult:
+def _failed(name: str, reason: str) -> CheckResult:
+    """A check that could not run, or not finish, has not passed; its incident is a warning on no worker."""
+    return CheckResult(name, False, details={"reason": reason}, incidents=[IncidentSpec(
+        kind="canary_leak", severity="warning", details={"reason": f"vacuous: check {name}: {reason}"})])
+
+
+def _run_check(name: str, fn, timeout_s: float) -> CheckResult:
     started = time.perf_counter()
-    try:
-        result = fn()
-    except Exception as exc:  # a check that cannot run has not passed
-        log.exception("canary check %s raised", name)
-        result = CheckResult(name, False, details={"reason": f"the check raised {type(exc).__name__}: {exc}"},
-                             incidents=[IncidentSpec(kind="canary_leak", severity="warning", details={
-                                 "reason": f"vacuous: check {name} raised {type(exc).__name__}: {exc}"})])
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = fn()
+        except Exception as exc:
+            log.exception("canary check %s raised", name)
+            outcome["result"] = _failed(name, f"the check raised {type(exc).__name__}: {exc}")
+        finally:
+            db.connections.close_all()  # this thread's own connections
+
+    thread = threading.Thread(target=run, name=f"canary-{name}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if "result" in outcome:
+        result = outcome["result"]
+    else:  # left running: it holds nothing the next check needs, and ends with its own deadlines
+        log.error("canary check %s did not finish within %.0fs", name, timeout_s)
+        result = _failed(name, f"the check did not finish within {timeout_s:.0f}s")
     result.name = name
     result.duration_s = time.perf_counter() - started
     return result
@@ -73,24 +98,26 @@ def _record(result: CheckResult, run: CanaryRun) -> list[int]:
             ids.append(duplicate.pk)
             continue
         incident = incident_record(
-            kind=spec.kind, severity=spec.severity, pool=spec.pool[:64], worker=spec.worker[:200], pages=spec.pages,
-            reader_request=spec.reader_request[:100], previous_owner_request=spec.previous_owner_request[:100],
+            kind=spec.kind, severity=spec.severity, pool=spec.pool, worker=spec.worker, pages=spec.pages,
+            reader_request=spec.reader_request, previous_owner_request=spec.previous_owner_request,
             epochs=spec.epochs, detected_by=detected_by,
             details={**spec.details, "canary_run": run.pk, "check": result.name})
         ids.append(incident.pk)
     return ids
 
 
-def canary_run(only=None, skip=None, checks: dict | None = None) -> CanaryRun:
-    """Runs the selected checks now; returns the stored CanaryRun (passed only if every check passed)."""
+def canary_run(only=None, skip=None, checks: dict | None = None, check_timeout_s: float | None = None) -> CanaryRun:
+    """Runs the selected checks now, each bounded by `check_timeout_s` (KVSERVE_CANARY_CHECK_TIMEOUT_S);
+    returns the stored CanaryRun (passed only if every check passed)."""
     table = CHECKS if checks is None else checks  # `checks`: tests and callers with their own table
+    timeout_s = check_timeout_s or settings.KVSERVE_CANARY_CHECK_TIMEOUT_S
     names = select_checks(only, skip) if checks is None else list(checks)
     run = CanaryRun.objects.create(started_at=timezone.now(), passed=False, checks=[])
     tag = uuid.uuid4().hex[:8]
     log.info("canary run #%s (%s) starting: %s", run.pk, tag, names)
     results = []
     for name in names:
-        result = _run_check(name, table[name])
+        result = _run_check(name, table[name], timeout_s)
         if not result.passed:
             result.details["incidents"] = _record(result, run)
         results.append(result)

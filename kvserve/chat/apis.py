@@ -11,6 +11,7 @@ from rest_framework.views import APIView
 
 from kvserve.chat.fields import (MessageContentField, StopField, StrictBooleanField, StrictFloatField,
                                  StrictIntegerField, TextField)
+from kvserve.chat.disconnect import client_gone
 from kvserve.chat.models import ChatRequest
 from kvserve.chat.outputs import completion_chunks, completion_wait, output_stream_exists, sse_response
 from kvserve.chat.parsers import LimitedJSONParser
@@ -173,8 +174,10 @@ class ChatCompletionsApi(ChatApiBase):
                            code="invalid_messages")
         if stream:
             include_usage = bool((data.get("stream_options") or {}).get("include_usage"))
-            return sse_response(completion_chunks(req, include_usage=include_usage, fingerprint=model["fingerprint"]))
-        return Response(self.OutputSerializer(completion_wait(req, fingerprint=model["fingerprint"])).data)
+            return sse_response(completion_chunks(req, include_usage=include_usage, fingerprint=model["fingerprint"],
+                                                  ends_request=True))
+        answer = completion_wait(req, fingerprint=model["fingerprint"], gone=client_gone(request))
+        return Response(self.OutputSerializer(answer).data)
 
 
 @extend_schema_serializer(component_name="Model")

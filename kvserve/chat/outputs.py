@@ -1,19 +1,29 @@
 """A request's output events (inference.streams) rendered as OpenAI responses: the whole `chat.completion`
 (sync: waits in the calling thread) and `chat.completion.chunk` server-sent events (async: waits on the
-event loop, so an open stream holds no blocked thread)."""
+event loop, so an open stream holds no blocked thread).
+
+The response that created a request ends it when it stops waiting early: its client disconnected
+(`client_disconnected`), no output came in time (`timeout`) or Redis failed under it
+(`backend_unavailable`). The request's worker then aborts it and frees its pages."""
+import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
 from functools import lru_cache
 
 import redis
 import redis.asyncio as aioredis
+from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.http import StreamingHttpResponse
 
-from inference.streams import AsyncOutputStream, OutputStream
+from inference.streams import AsyncOutputStream, OutputStream, ReaderStopped, is_final
 from kvserve.chat.models import ChatRequest
 from kvserve.errors import ApiError, error_body
 from kvserve.workers import outputs_get
+
+log = logging.getLogger(__name__)
+CLIENT_GONE = ("client_disconnected", "The client closed the connection before the answer was complete.")
 
 # Worker-side failures are server faults, never the caller's: 503 (retryable) with type server_error and
 # the failure's own code. The one exception is a worker's admission re-check, which is about the request.
@@ -48,6 +58,21 @@ def _timeout_event(timeout_s: float) -> dict:
             "message": f"No output from the workers for {timeout_s}s; the request did not complete."}
 
 
+def _backend_event(exc: Exception) -> dict:
+    return {"type": "error", "code": "backend_unavailable",
+            "message": f"Lost the output stream: {exc.__class__.__name__}"}
+
+
+def _give_up(req: ChatRequest, event: dict) -> None:
+    """The waiting response stops here: the request ends with the event's code (unless it already ended)."""
+    from kvserve.chat.services import chat_request_cancel
+
+    try:
+        chat_request_cancel(req.id, code=event["code"], message=event["message"])
+    except Exception:
+        log.exception("could not end request %s (%s)", req.id, event["code"])
+
+
 def _usage(usage: dict | None, req: ChatRequest) -> dict:
     usage = usage or {}
     prompt = int(usage.get("prompt_tokens", req.prompt_tokens))
@@ -55,24 +80,29 @@ def _usage(usage: dict | None, req: ChatRequest) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def completion_wait(req: ChatRequest, *, fingerprint: str = "") -> dict:
+def completion_wait(req: ChatRequest, *, fingerprint: str = "", gone=None) -> dict:
     """Blocks until the request finishes; its chat.completion object, or ApiError on failure (never a
-    partial answer)."""
+    partial answer). `gone` (a threading.Event) is set when the client disconnects: the request ends."""
     timeout_s = settings.KVSERVE_RESPONSE_TIMEOUT_S
     text, done = [], None
     try:
-        for event in _blocking_outputs(timeout_s).read(req.id, timeout_s=timeout_s):
+        for event in _blocking_outputs(timeout_s).read(req.id, timeout_s=timeout_s, stop=gone):
             if event["type"] == "delta":
                 text.append(event.get("text", ""))
             elif event["type"] == "done":
                 done = event
             else:
                 raise event_error(event)
+    except ReaderStopped:
+        code, message = CLIENT_GONE
+        _give_up(req, {"code": code, "message": message})
+        raise ApiError(message, status_code=499, code=code)  # nobody reads it: the client has gone
     except TimeoutError:
-        raise event_error(_timeout_event(timeout_s))
+        _give_up(req, event := _timeout_event(timeout_s))
+        raise event_error(event)
     except redis.RedisError as exc:
-        raise ApiError(f"Lost the output stream: {exc.__class__.__name__}", status_code=SERVER_FAILURE_STATUS,
-                       type="server_error", code="backend_unavailable")
+        _give_up(req, event := _backend_event(exc))
+        raise event_error(event)
     return {
         "id": req.id, "object": "chat.completion", "created": int(req.created_at.timestamp()), "model": req.model,
         "system_fingerprint": fingerprint,
@@ -87,10 +117,13 @@ def _sse(payload: dict | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-async def completion_chunks(req: ChatRequest, *, include_usage: bool, fingerprint: str = "") -> AsyncIterator[bytes]:
+async def completion_chunks(req: ChatRequest, *, include_usage: bool, fingerprint: str = "",
+                            ends_request: bool = False) -> AsyncIterator[bytes]:
     """The request's events as chat.completion.chunk SSE: a role chunk, content chunks, a chunk with the
     finish_reason, a usage chunk when asked, then `[DONE]`. A failure is `data: {"error": {...}}` then
-    `[DONE]`. Reads with redis.asyncio on the event loop; its own connection closes with the stream."""
+    `[DONE]`. Reads with redis.asyncio on the event loop; its own connection closes with the stream.
+    `ends_request`: this is the response that created the request, and when it stops before the final
+    event (client gone, timeout, Redis lost) the request ends too (a replay's reader ends nothing)."""
     timeout_s, keepalive_s = settings.KVSERVE_RESPONSE_TIMEOUT_S, max(1, settings.KVSERVE_SSE_KEEPALIVE_S)
     base = {"id": req.id, "object": "chat.completion.chunk", "created": int(req.created_at.timestamp()),
             "model": req.model, "system_fingerprint": fingerprint}
@@ -103,12 +136,18 @@ async def completion_chunks(req: ChatRequest, *, include_usage: bool, fingerprin
         exc = event_error(event)
         return _sse(error_body(exc.detail, type=exc.error_type, param=exc.param, code=exc.error_code))
 
+    async def give_up(event: dict) -> None:
+        if ends_request:
+            await asyncio.shield(sync_to_async(_give_up)(req, event))
+
     client = aioredis.Redis.from_url(settings.REDIS_URL, socket_timeout=keepalive_s + 10)  # > one XREAD BLOCK
     stream = AsyncOutputStream(client, prefix=settings.KVSERVE_LEDGER_PREFIX)
+    ended = False  # the final event (or our own give-up) was reached
     try:
         yield chunk({"role": "assistant"})
         try:
             async for event in stream.read(req.id, timeout_s=timeout_s, idle_s=keepalive_s):
+                ended = event is not None and is_final(event)
                 if event is None:
                     yield b": keep-alive\n\n"
                 elif event["type"] == "delta":
@@ -121,11 +160,18 @@ async def completion_chunks(req: ChatRequest, *, include_usage: bool, fingerprin
                 else:
                     yield error(event)
         except TimeoutError:
-            yield error(_timeout_event(timeout_s))
+            ended = True
+            await give_up(event := _timeout_event(timeout_s))
+            yield error(event)
         except redis.RedisError as exc:
-            yield error({"code": "backend_unavailable", "message": f"Lost the output stream: {exc.__class__.__name__}"})
+            ended = True
+            await give_up(event := _backend_event(exc))
+            yield error(event)
         yield _sse("[DONE]")
     finally:
+        if not ended:  # the client went away mid-stream (Django cancelled or closed us)
+            code, message = CLIENT_GONE
+            await give_up({"code": code, "message": message})
         await client.aclose()
 
 

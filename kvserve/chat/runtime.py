@@ -41,11 +41,12 @@ def handoff_key() -> bytes:
 def runtime_start(role: str, **overrides):
     from inference.worker import WorkerRuntime
 
-    from kvserve.chat.services import runtime_on_quarantine, runtime_on_reclaim, runtime_on_violation
+    from kvserve.chat.services import (runtime_on_lease_lost, runtime_on_quarantine, runtime_on_reclaim,
+                                       runtime_on_violation)
 
     runtime = WorkerRuntime(role, redis_client(settings.REDIS_URL), handoff_key(),
                             on_violation=runtime_on_violation, on_reclaim=runtime_on_reclaim,
-                            on_quarantine=runtime_on_quarantine, **overrides)
+                            on_lease_lost=runtime_on_lease_lost, on_quarantine=runtime_on_quarantine, **overrides)
     _runtime["current"] = runtime
     log.info("worker %s ready: %s", runtime.worker_id, runtime.info().to_dict())
     return runtime

@@ -1,5 +1,6 @@
-"""Chat request lifecycle: admission and queueing (web), prefill and decode (workers), failure and
-orphan reaping. Every state change of a ChatRequest row goes through here."""
+"""Chat request lifecycle: admission and queueing (web), prefill and decode (workers), failure, cancellation
+and orphan reaping. Every state change of a ChatRequest row goes through here; the first terminal state
+wins (every write after a claim is conditional on it)."""
 import hashlib
 import hmac
 import json
@@ -7,21 +8,26 @@ import logging
 import math
 import threading
 import uuid
+from datetime import timedelta
 from functools import lru_cache
 
+import redis
 from django.conf import settings
 from django.db import transaction
-from django.db.models import F
+from django.db.models import F, Q
 from django.utils import timezone
 
+from inference.allocator import LedgerError
+from inference.cancel import Cancel
 from inference.handoff import HandoffRefused, Verdict
 from inference.ledger import RedisLedger, ledger_key
-from inference.sequence import SamplingParams, SeqStatus
+from inference.registry import PREFILL
+from inference.sequence import SamplingParams
 from incidents.services import incident_record
 from kvserve.chat.metrics import admission_rejection_count_incr
 from kvserve.chat.models import ChatRequest
 from kvserve.errors import ApiError
-from kvserve.workers import outputs_get, redis_get, registry_get
+from kvserve.workers import cancels_get, outputs_get, redis_get, registry_get
 
 log = logging.getLogger(__name__)
 Status = ChatRequest.Status
@@ -127,77 +133,132 @@ def chat_request_create(*, api_key, messages: list[dict], max_tokens: int, param
     return req, prompt_ids
 
 
-def chat_request_fail(req: ChatRequest, *, code: str, message: str, status: str = Status.FAILED) -> None:
-    req.status, req.error_code, req.error_message = status, code, message
-    req.finished_at = timezone.now()
-    req.save(update_fields=["status", "error_code", "error_message", "finished_at", "handoff_verdict",
-                            "decode_verdict", "prefill_finished_at"])
-    outputs_get().publish(req.id, {"type": "error", "code": code, "message": message})
+def chat_request_fail(req: ChatRequest, *, code: str, message: str, status: str = Status.FAILED,
+                      claim: dict | None = None, **fields) -> bool:
+    """Ends a request that has not ended yet, as failed (or rejected) with `code`: the first terminal state
+    wins and this one is written only if none was (and, with `claim`, only while that delivery holds the
+    row). Publishes the error event and raises the request's cancel flag, so any worker still holding it
+    lets go. False when nothing was written."""
+    now = timezone.now()
+    changed = ChatRequest.objects.filter(id=req.id, **(claim or {})).exclude(status__in=ChatRequest.FINAL).update(
+        status=status, error_code=code, error_message=message, finished_at=now, **fields)
+    if not changed:
+        return False
+    req.status, req.error_code, req.error_message, req.finished_at = status, code, message, now
+    for name, value in fields.items():
+        setattr(req, name, value)
+    try:
+        outputs_get().publish(req.id, {"type": "error", "code": code, "message": message})
+        cancels_get().request(Cancel(req.id, code, message))
+    except redis.RedisError:
+        log.warning("request %s failed (%s) but Redis is unreachable: no error event or cancel flag", req.id, code)
+    return True
 
 
-def _claim(request_id: str, from_statuses, to_status, counter: str, **fields) -> ChatRequest | None:
-    """Moves the row into a worker's hands once per delivery; None when it is already past this stage."""
-    with transaction.atomic():
-        n = ChatRequest.objects.filter(id=request_id, status__in=from_statuses).update(
-            status=to_status, **{counter: F(counter) + 1}, **fields)
-    return ChatRequest.objects.select_related("tenant").get(id=request_id) if n else None
+def chat_request_cancel(request_id: str, *, code: str, message: str) -> bool:
+    """The web side gives up on a request (its client left, or it stopped waiting): it ends failed with
+    `code` and its worker, if any, aborts it and frees its pages."""
+    req = ChatRequest.objects.filter(id=request_id).first()
+    return bool(req) and chat_request_fail(req, code=code, message=message)
 
 
 # ---- worker side -----------------------------------------------------------------------------
+# A delivery claims its row in one conditional UPDATE; the (worker, delivery count) it wrote is its claim
+# token, and every later write of that delivery is conditional on it. So a task delivered twice runs
+# once, a delivery whose row was ended or taken over meanwhile writes nothing, and a redelivered prefill
+# whose worker is gone may run again (bounded by KVSERVE_TASK_MAX_DELIVERIES). Decode never runs twice:
+# its output has been streamed; a decode whose worker died is ended by the reaper.
+
+def _claim(request_id: str, claimable, to_status: str, worker_field: str, counter: str, worker_id: str,
+           **fields) -> ChatRequest | None:
+    with transaction.atomic():
+        n = ChatRequest.objects.filter(claimable, id=request_id).update(
+            status=to_status, **{worker_field: worker_id, counter: F(counter) + 1}, **fields)
+    return ChatRequest.objects.select_related("tenant").get(id=request_id) if n else None
+
+
+def _claim_token(req: ChatRequest, worker_field: str, counter: str) -> dict:
+    return {"status": req.status, worker_field: getattr(req, worker_field), counter: getattr(req, counter)}
+
 
 def chat_request_prefill(request_id: str, prompt_ids: list[int]) -> None:
+    from inference.worker import RequestFailed
     from kvserve.chat.runtime import runtime_get
 
     runtime = runtime_get()
-    req = _claim(request_id, [Status.QUEUED, Status.PREFILLING], Status.PREFILLING, "prefill_deliveries",
-                 prefill_started_at=timezone.now(), prefill_worker=runtime.worker_id)
+    live = {w.worker_id for w in registry_get().live_workers(PREFILL)}
+    # queued, or prefilling under a delivery whose worker is gone (redelivered after it died)
+    orphaned = Q(status=Status.PREFILLING, handoff_verdict="") & ~Q(prefill_worker__in=live | {runtime.worker_id})
+    req = _claim(request_id, Q(status=Status.QUEUED) | orphaned, Status.PREFILLING, "prefill_worker",
+                 "prefill_deliveries", runtime.worker_id, prefill_started_at=timezone.now())
     if req is None:
+        log.info("prefill of %s not claimed: already ended, past prefill, or held by a live delivery", request_id)
         return
     if req.prefill_deliveries > settings.KVSERVE_TASK_MAX_DELIVERIES:
         return chat_request_fail(req, code="redelivery_limit",
                                  message=f"prefill was attempted {req.prefill_deliveries - 1} times without finishing")
-    handoff = runtime.prefill(req.id, prompt_ids, sampling_params(req))
-    req.handoff_verdict = handoff.verdict.value
-    req.prefill_finished_at = timezone.now()
+    claim = _claim_token(req, "prefill_worker", "prefill_deliveries")
+    mine = ChatRequest.objects.filter(id=req.id, **claim)
+    try:
+        handoff = runtime.prefill(req.id, prompt_ids, sampling_params(req), still_wanted=mine.exists)
+    except RequestFailed as exc:
+        return chat_request_fail(req, code=exc.code, message=exc.message, claim=claim)
+    except Exception as exc:
+        log.exception("prefill of %s failed", req.id)
+        return chat_request_fail(req, code="prefill_failed", message=f"prefill failed: {type(exc).__name__}: {exc}",
+                                 claim=claim)
+    if handoff.verdict is Verdict.ABORTED:
+        return  # the row ended or was taken over while prefilling: nothing was sent
     if handoff.verdict is Verdict.REJECTED:
-        return chat_request_fail(req, code="context_length_exceeded", message=handoff.reason, status=Status.REJECTED)
-    if handoff.verdict is not Verdict.OK:
-        return chat_request_fail(req, code="prefill_failed", message=handoff.reason)
-    req.save(update_fields=["handoff_verdict", "prefill_finished_at"])
+        return chat_request_fail(req, code="context_length_exceeded", message=handoff.reason, status=Status.REJECTED,
+                                 claim=claim, handoff_verdict=handoff.verdict.value)
+    if not mine.update(handoff_verdict=handoff.verdict.value, prefill_finished_at=timezone.now()):
+        runtime.transport.discard(req.id)  # ended meanwhile: nobody will decode it
+        return
     from kvserve.chat.tasks import decode
 
     decode.delay(req.id, prompt_ids, handoff.to_dict())
 
 
 def chat_request_decode(request_id: str, prompt_ids: list[int], handoff: dict) -> None:
+    from inference.scheduler import RequestTooLarge
+    from inference.worker import RequestFailed
     from kvserve.chat.runtime import runtime_get
 
     runtime = runtime_get()
-    started = timezone.now()
-    req = _claim(request_id, [Status.PREFILLING, Status.DECODING], Status.DECODING, "decode_deliveries",
-                 decode_started_at=started, decode_worker=runtime.worker_id)
+    req = _claim(request_id, Q(status=Status.PREFILLING), Status.DECODING,
+                 "decode_worker", "decode_deliveries", runtime.worker_id, decode_started_at=timezone.now())
     if req is None:
+        log.info("decode of %s not claimed: already ended or decoding under another delivery", request_id)
         return
-    if req.decode_deliveries > settings.KVSERVE_TASK_MAX_DELIVERIES:
-        return chat_request_fail(req, code="redelivery_limit",
-                                 message=f"decode was attempted {req.decode_deliveries - 1} times without finishing")
+    claim = _claim_token(req, "decode_worker", "decode_deliveries")
     try:
         seq = runtime.decode(req.id, prompt_ids, sampling_params(req), handoff)
-    except HandoffRefused as refused:
-        req.decode_verdict = refused.kind
-        _handoff_incident(runtime, req, refused, handoff)
-        return chat_request_fail(req, code="handoff_refused", message=f"decode refused the handoff: {refused.reason}")
-    req.decode_verdict = "accepted"
-    req.finished_at = timezone.now()
-    req.transfer_ms = seq.transfer_ms
-    req.completion_tokens = len(seq.output_ids)
-    if seq.status is SeqStatus.FAILED:
-        req.status, req.error_code, req.error_message = Status.FAILED, "kv_isolation_violation", "failed closed"
-    else:
-        req.status, req.finish_reason = Status.DONE, seq.finish_reason or ""
-        if req.tenant.store_text:
-            req.completion_text = seq.text
-    req.save()
+    except HandoffRefused as refused:  # fail closed first; the incident is recorded after, whatever it does
+        chat_request_fail(req, code="handoff_refused", message=f"decode refused the handoff: {refused.reason}",
+                          claim=claim, decode_verdict=refused.kind[:32])
+        return _record_safely(_handoff_incident, runtime, req, refused, handoff)
+    except RequestFailed as exc:
+        if exc.code != "duplicate_delivery":  # the original delivery runs on: leave it alone
+            chat_request_fail(req, code=exc.code, message=exc.message, claim=claim, decode_verdict="accepted")
+        return
+    except RequestTooLarge as exc:  # this decode pool is smaller than what admission allowed
+        return chat_request_fail(req, code="context_length_exceeded", message=str(exc), claim=claim,
+                                 decode_verdict="accepted")
+    except Exception as exc:
+        log.exception("decode of %s failed", req.id)
+        return chat_request_fail(req, code="engine_error", message=f"decode failed: {type(exc).__name__}: {exc}",
+                                 claim=claim, decode_verdict="accepted")
+    ChatRequest.objects.filter(id=req.id, **claim).update(status=Status.DONE, finish_reason=seq.finish_reason or "", decode_verdict="accepted",
+                finished_at=timezone.now(), transfer_ms=seq.transfer_ms, completion_tokens=len(seq.output_ids),
+                completion_text=seq.text if req.tenant.store_text else None)
+
+
+def _record_safely(record, *args) -> None:
+    try:
+        record(*args)
+    except Exception:
+        log.exception("could not record an incident (the request already failed closed)")
 
 
 def _handoff_incident(runtime, req, refused: HandoffRefused, handoff: dict) -> None:
@@ -207,7 +268,7 @@ def _handoff_incident(runtime, req, refused: HandoffRefused, handoff: dict) -> N
     incident_record(
         kind=kind, severity="critical", pool=runtime.worker_id,
         # a forged handoff names no trustworthy worker; a mismatching one points at its prefill worker
-        worker="" if kind == "handoff_forged" else str(handoff.get("prefill_worker", ""))[:200],
+        worker="" if kind == "handoff_forged" else str(handoff.get("prefill_worker", "")),
         reader_request=req.id, detected_by="decode handoff verification",
         epochs=list(handoff.get("page_epochs", []))[:64] if isinstance(handoff.get("page_epochs"), list) else None,
         details={"reason": refused.reason, "verdict": str(handoff.get("verdict")),
@@ -232,6 +293,13 @@ def runtime_on_reclaim(runtime, events) -> None:
                         detected_by="lease reaper (worker heartbeat)", details={"expired_at_ms": ev.expired_at_ms})
 
 
+def runtime_on_lease_lost(runtime, request_id: str, pages: list[int]) -> None:
+    """A request that was still running lost its lease: a warning (a timeout is not a violation)."""
+    incident_record(kind="lease_expired", severity="warning", pool=runtime.worker_id, worker=runtime.worker_id,
+                    pages=pages, reader_request=request_id, detected_by="worker lease check",
+                    details={"outcome": "the request failed with lease_lost; its pages were scrubbed by its worker"})
+
+
 def runtime_on_quarantine(runtime, quarantined: bool) -> None:
     from kvserve.chat.runtime import consumer_toggle
 
@@ -239,43 +307,74 @@ def runtime_on_quarantine(runtime, quarantined: bool) -> None:
 
 
 # ---- maintenance -----------------------------------------------------------------------------
+# A worker is judged gone only when it is not registered AND did not beat at all between two reaper rounds
+# (Registry.silence): a registration that lapsed on Redis' clock, or a worker paused for less than a reaper
+# interval, is not enough. The reaper never marks a page clean: only a pool's own worker scrubs. It retires
+# (deletes) the pool of a worker gone for POOL_RETIRE_ROUNDS rounds; if that worker was alive after all,
+# its next heartbeat finds the pool missing and it scrubs its whole tensor before registering again.
+WORKER_LOST_ROUNDS = 1
+POOL_RETIRE_ROUNDS = 3
+
 
 def requests_reap_orphans() -> dict:
-    """Fails requests whose worker died, reclaims expired leases in every pool, and retires the pools
-    of dead workers once their books balance. Returns what it did."""
-    registry, redis = registry_get(), redis_get()
-    live = {w.worker_id for w in registry.live_workers()}
-    failed = []
-    for req in ChatRequest.objects.filter(status__in=[Status.PREFILLING, Status.DECODING]):
-        worker = req.decode_worker if req.status == Status.DECODING else req.prefill_worker
-        if worker and worker not in live:
-            chat_request_fail(req, code="worker_lost",
-                              message=f"{req.status} worker {worker} stopped responding; the request did not complete")
-            failed.append(req.id)
-    pools = []
+    """Fails requests whose worker is gone or that waited in a queue past KVSERVE_QUEUE_TIMEOUT_S, and retires
+    the pools of workers gone long enough. Returns what it did."""
+    registry, redis_client = registry_get(), redis_get()
     prefix = settings.KVSERVE_LEDGER_PREFIX
-    for raw in redis.smembers(ledger_key(prefix)):
-        pool_id = raw.decode() if isinstance(raw, bytes) else raw
-        ledger = RedisLedger(redis, pool_id, prefix=prefix)
-        events = ledger.reap_expired()
-        for ev in events:
-            incident_record(kind="lease_expired", severity="warning", pool=pool_id, worker=pool_id,
-                            pages=list(ev.pages), previous_owner_request=ev.owner, epochs=list(ev.epochs),
-                            detected_by="lease reaper (periodic task)", details={"expired_at_ms": ev.expired_at_ms})
-        report = {"pool": pool_id, "reclaimed": sum(len(ev.pages) for ev in events), "live": pool_id in live}
-        if pool_id not in live:
-            dirty = ledger.take_dirty()
-            if dirty:
-                ledger.mark_clean(dirty)  # its tensor died with its process: nothing left to scrub
-            try:
-                ledger.check_integrity()
-                report["integrity"] = "ok"
-                if ledger.num_free() == ledger.num_pages:
-                    ledger.unregister()
-                    report["retired"] = True
-            except Exception as exc:
-                report["integrity"] = str(exc)
-                incident_record(kind="integrity", severity="critical", pool=pool_id, detected_by="periodic reaper",
-                                details={"error": str(exc)})
-        pools.append(report)
-    return {"failed_requests": failed, "pools": pools}
+    live = {w.worker_id for w in registry.live_workers()}
+    rows = list(ChatRequest.objects.exclude(status__in=ChatRequest.FINAL))
+    pools = sorted(_text(p) for p in redis_client.smembers(ledger_key(prefix)))
+    holders = {row.id: _holder(row) for row in rows}
+    silence = registry.silence(live | set(pools) | {w for w in holders.values() if w})
+    gone = {w for w, rounds in silence.items() if w not in live and rounds >= WORKER_LOST_ROUNDS}
+    failed, timed_out = [], []
+    waited_since = timezone.now() - timedelta(seconds=settings.KVSERVE_QUEUE_TIMEOUT_S)
+    for row in rows:
+        worker = holders[row.id]
+        if worker in gone:
+            if chat_request_fail(row, code="worker_lost", message=f"{row.status} worker {worker} stopped "
+                                 f"responding; the request did not complete"):
+                failed.append(row.id)
+        elif worker is None and (row.prefill_finished_at or row.created_at) < waited_since:
+            if chat_request_fail(row, code="queue_timeout", message=f"no worker took the request within "
+                                 f"{settings.KVSERVE_QUEUE_TIMEOUT_S}s (its task was lost or the queue is stuck)"):
+                timed_out.append(row.id)
+    report = []
+    for pool_id in pools:
+        entry = {"pool": pool_id, "live": pool_id in live, "silent_rounds": silence.get(pool_id, 0)}
+        if pool_id not in live and silence.get(pool_id, 0) >= POOL_RETIRE_ROUNDS:
+            entry.update(_retire(registry, redis_client, prefix, pool_id))
+        report.append(entry)
+    return {"failed_requests": failed, "timed_out_requests": timed_out, "pools": report}
+
+
+def _holder(row: ChatRequest) -> str | None:
+    """The worker a request waits on, or None while it waits in a queue (queued, or prefilled for decode)."""
+    if row.status == Status.DECODING:
+        return row.decode_worker or None
+    if row.status == Status.PREFILLING and row.handoff_verdict != Verdict.OK.value:
+        return row.prefill_worker or None
+    return None
+
+
+def _retire(registry, redis_client, prefix: str, pool_id: str) -> dict:
+    try:
+        ledger = RedisLedger(redis_client, pool_id, prefix=prefix)
+    except LedgerError as exc:
+        return {"retired": False, "integrity": str(exc)}
+    try:
+        ledger.check_integrity()
+        integrity = "ok"
+    except LedgerError as exc:  # recorded, not acted on: the pool is deleted either way
+        integrity = str(exc)
+        _record_safely(lambda: incident_record(kind="integrity", severity="warning", pool=pool_id,
+                                               detected_by="periodic reaper (retiring a gone worker's pool)",
+                                               details={"error": integrity}))
+    ledger.unregister()
+    registry.forget(pool_id)
+    log.warning("retired the pool of gone worker %s (integrity: %s)", pool_id, integrity)
+    return {"retired": True, "integrity": integrity}
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else value

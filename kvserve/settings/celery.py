@@ -33,10 +33,19 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 # acks_late + reject_on_worker_lost redeliver a task whose worker died, forever if it keeps
 # killing workers. Tasks bound that: see kvserve/celery.py ("Redelivery is bounded").
 KVSERVE_TASK_MAX_DELIVERIES = env_int("KVSERVE_TASK_MAX_DELIVERIES", 3)
+# A request no worker has taken (queued, or prefilled and waiting for decode) this long is failed
+# `queue_timeout` by the reaper: its task message was lost (Redis restarted, the web process died before
+# queueing it) or nothing consumes the queue.
+KVSERVE_QUEUE_TIMEOUT_S = env_int("KVSERVE_QUEUE_TIMEOUT_S", 600)
+# How often beat runs the reaper (`manage.py setup_schedules` creates the schedule with this interval).
+KVSERVE_REAPER_INTERVAL_S = env_int("KVSERVE_REAPER_INTERVAL_S", 30)
 
 CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
 CELERY_TIMEZONE = "UTC"
 # Canaries (`manage.py setup_schedules` creates the schedule; incidents/canary/): how long the marker test
-# waits for its traffic, and how long the scheduled run's lock keeps a second run from overlapping it.
+# waits for its traffic, and how long the scheduled run's lock keeps a second run from overlapping it
+# (longer than the longest run: six checks at their bound).
 KVSERVE_CANARY_TIMEOUT_S = env_int("KVSERVE_CANARY_TIMEOUT_S", 300)
-KVSERVE_CANARY_LOCK_S = env_int("KVSERVE_CANARY_LOCK_S", 1800)
+# Every check of a run is bounded by this (a check still running then fails, named); a run by the sum.
+KVSERVE_CANARY_CHECK_TIMEOUT_S = env_int("KVSERVE_CANARY_CHECK_TIMEOUT_S", KVSERVE_CANARY_TIMEOUT_S + 60)
+KVSERVE_CANARY_LOCK_S = env_int("KVSERVE_CANARY_LOCK_S", 6 * KVSERVE_CANARY_CHECK_TIMEOUT_S + 60)

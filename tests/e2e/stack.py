@@ -26,15 +26,15 @@ def free_port() -> int:
 
 
 class Stack:
-    def __init__(self, workdir: Path, **env):
+    def __init__(self, workdir: Path, redis_url: str = TEST_REDIS_URL, **env):
         self.workdir = Path(workdir)
         self.prefix = f"kvstest-e2e-{uuid.uuid4().hex[:8]}"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.redis = redis.Redis.from_url(TEST_REDIS_URL)
+        self.redis = redis.Redis.from_url(redis_url)
         self.env = {
             **os.environ,
-            "REDIS_URL": TEST_REDIS_URL,
+            "REDIS_URL": redis_url,
             "KVSERVE_LEDGER_PREFIX": self.prefix,
             "KVSERVE_BROKER_PREFIX": f"{self.prefix}:broker:",
             "DATABASE_URL": f"sqlite:///{self.workdir / 'db.sqlite3'}",
@@ -136,6 +136,44 @@ class Stack:
     def close(self) -> None:
         for name in list(self.procs):
             self.stop(name)
-        keys = list(self.redis.scan_iter(match=f"{self.prefix}*", count=1000))
+        try:
+            keys = list(self.redis.scan_iter(match=f"{self.prefix}*", count=1000))
+        except redis.ConnectionError:  # a Redis of the test's own, already gone
+            return
         for i in range(0, len(keys), 500):
             self.redis.delete(*keys[i:i + 500])
+
+
+class OwnRedis:
+    """A redis-server of a test's own on a free port, for tests that restart or pause Redis."""
+
+    def __init__(self, workdir: Path):
+        self.port = free_port()
+        self.workdir = Path(workdir)
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = None
+
+    def start(self) -> "OwnRedis":
+        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--maxmemory-policy", "noeviction",
+                                      "--dir", str(self.workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis.from_url(self.url)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client.ping()
+                return self
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def restart_empty(self) -> None:
+        """Killed and started again on the same port without its data (no persistence)."""
+        self.stop()
+        self.start()

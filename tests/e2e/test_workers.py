@@ -53,6 +53,15 @@ print(json.dumps({
 """
 
 
+REAP_ROUNDS = """
+import json, time
+from kvserve.chat.services import requests_reap_orphans
+for _ in range(%d):
+    print(json.dumps(requests_reap_orphans()))
+    time.sleep(0.5)
+"""
+
+
 def last_json(text: str) -> dict:
     return json.loads(text.strip().splitlines()[-1])
 
@@ -84,12 +93,13 @@ def test_sigkill_of_the_decode_worker_fails_the_request_and_the_reaper_reclaims_
     ledger = RedisLedger(stack.redis, decoder.worker_id, prefix=stack.prefix)
     assert ledger.pages_of(rid)  # the request holds decode pages right now
     stack.stop("decode", sig=signal.SIGKILL)
-    time.sleep(5)  # past the 4 s lease and the 3 s registration
-    report = last_json(stack.manage("shell", "-c", "import json; from kvserve.chat.services import "
-                                    "requests_reap_orphans as r; print(json.dumps(r()))"))
-    assert rid in report["failed_requests"]
-    (pool,) = [p for p in report["pools"] if p["pool"] == decoder.worker_id]
-    assert pool["reclaimed"] > 0 and pool["integrity"] == "ok" and pool.get("retired")
+    time.sleep(4)  # past the 3 s registration
+    rounds = [last_json(r) for r in stack.manage("shell", "-c", REAP_ROUNDS % 5).strip().splitlines()[-5:]]
+    # gone = not registered and no beat between two rounds: the second round fails its request
+    assert rid not in rounds[0]["failed_requests"] and rid in rounds[1]["failed_requests"]
+    pools = [next(p for p in r["pools"] if p["pool"] == decoder.worker_id) for r in rounds[:4]]
+    assert [p.get("retired", False) for p in pools] == [False, False, False, True]  # after 3 silent rounds
+    assert pools[3]["integrity"] == "ok" and not any(p["pool"] == decoder.worker_id for p in rounds[4]["pools"])
     events = list(outputs.read(rid, timeout_s=5))
     assert events[-1]["type"] == "error" and events[-1]["code"] == "worker_lost"
     status = stack.manage("shell", "-c", f"from kvserve.chat.models import ChatRequest as C; print(C.objects.get(id='{rid}').status)")

@@ -144,6 +144,7 @@ def test_reproduction_refuses_the_incident_prompt_before_anything(registry, make
     assert not ChatRequest.objects.exists()
 
 
+@pytest.mark.django_db(transaction=True)  # canary_run runs the check in a thread of its own
 def test_reproduction_fails_when_admission_lets_it_through(workers, broker, monkeypatch):
     # the API's admission is broken (sees no real limit); the canary still knows the deployment's limit
     monkeypatch.setattr(Registry, "effective_limit", lambda self: 10**6)
@@ -158,6 +159,7 @@ def test_reproduction_fails_when_admission_lets_it_through(workers, broker, monk
     assert incident.worker == ""  # no worker took it (yet): the API's admission is what failed
 
 
+@pytest.mark.django_db(transaction=True)  # canary_run runs the check in a thread of its own
 def test_reproduction_quarantines_a_worker_that_served_the_overlong_prompt(workers, broker, monkeypatch, registry):
     monkeypatch.setattr(Registry, "effective_limit", lambda self: 10**6)
     monkeypatch.setattr(reproduction, "registry_get", lambda: _FixedLimit(8192))

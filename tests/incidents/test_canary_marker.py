@@ -57,6 +57,7 @@ def test_clean_traffic_passes_and_edges_are_admitted_or_refused_by_the_real_admi
     assert ChatRequest.objects.filter(tenant__name__startswith="canary-").count() == 5  # refused ones: no row
 
 
+@pytest.mark.django_db(transaction=True)  # canary_run runs the check in a thread of its own
 def test_a_sentinel_in_another_tenants_response_is_a_leak_and_quarantines(
         workers, monkeypatch, registry, registry_redis, registry_prefix):
     fake_workers(monkeypatch, registry_redis, registry_prefix, leak_into=f"{TENANT_B}-echo-0")

@@ -3,6 +3,7 @@ incidents for failed checks, the schedules (`setup_schedules`, django-celery-bea
 scheduled task's no-overlap lock. The marker test's request plan and scanning are checked here too."""
 import io
 import json
+import threading
 
 import pytest
 from django.core.management import call_command
@@ -167,3 +168,23 @@ def test_repeated_failures_reuse_open_incidents_until_released_or_acknowledged(m
 def canary_run_ids(checks) -> list[int]:
     run = suite.canary_run(checks=checks)
     return [i for c in run.checks for i in c["details"]["incidents"]]
+
+
+def test_a_check_that_hangs_fails_named_and_the_run_is_stored_and_goes_on():
+    release = threading.Event()
+
+    def hanging_check():
+        release.wait(60)  # a detector stuck on something that never answers
+        return CheckResult("hangs", True)
+
+    try:
+        run = suite.canary_run(checks={"hangs": hanging_check, "ok": ok_check}, check_timeout_s=1)
+    finally:
+        release.set()
+    stored = CanaryRun.objects.get(pk=run.pk)
+    assert stored.finished_at is not None and not stored.passed
+    checks = {c["name"]: c for c in stored.checks}
+    assert checks["hangs"]["details"]["reason"] == "the check did not finish within 1s"
+    assert not checks["hangs"]["passed"] and checks["ok"]["passed"]
+    (incident,) = Incident.objects.filter(pk__in=checks["hangs"]["details"]["incidents"])
+    assert incident.severity == "warning" and "did not finish" in incident.details["reason"]

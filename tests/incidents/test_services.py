@@ -82,3 +82,12 @@ def test_resolve_does_not_release_but_worker_release_does_and_is_logged(registry
     again = worker_release("decode-w1", admin_user)
     assert not again.was_quarantined
     assert WorkerRelease.objects.filter(worker="decode-w1").count() == 2
+
+
+def test_ids_of_any_length_are_recorded_and_the_whole_id_is_quarantined(registry):
+    worker = "decode-" + "h" * 300 + "-4242-abcd"  # a long FQDN: longer than any column
+    incident = record(worker=worker, pool=worker, reader_request="r" * 400, detected_by="d" * 300)
+    stored = Incident.objects.get(pk=incident.pk)
+    assert len(stored.worker) == 255 and stored.worker.endswith("…")
+    assert stored.details["full_ids"]["worker"] == worker and stored.details["full_ids"]["reader_request"] == "r" * 400
+    assert stored.quarantined and registry.is_quarantined(worker)

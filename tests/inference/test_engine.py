@@ -1,6 +1,6 @@
 import pytest
 
-from inference.engine import Engine, EngineConfig
+from inference.engine import DuplicateRequest, Engine, EngineConfig
 from inference.faults import Faults
 from inference.scheduler import RequestTooLarge
 from inference.sequence import SamplingParams, SeqStatus
@@ -125,7 +125,7 @@ def test_decode_that_believes_more_than_was_written_fails_closed(tiny_model):
     d = decode.add_prefilled("ph", prompt, p.output_ids[0], blob, greedy(4), num_transferred=1)
     events = decode.step()
     assert d.status is SeqStatus.FAILED and d.text == "" and events[0].token is None
-    assert decode.quarantined and decode.violations[0].kind == "unwritten_read"
+    assert decode.take_violations()[0].kind == "unwritten_read" and decode.take_violations() == []
     assert decode.block_manager.num_free() == 64
 
 
@@ -139,7 +139,7 @@ def test_foreign_page_read_fails_only_the_reader_and_quarantines(tiny_model):
     assert a.status is SeqStatus.FAILED and "foreign_read" in a.error and a.text == ""
     run_until_done(engine, [b])
     assert b.status is SeqStatus.FINISHED and len(b.output_ids) == 8
-    assert engine.quarantined and engine.violations[0].page_owner == "b"
+    assert engine.take_violations()[0].page_owner == "b"
 
 
 def test_with_the_guard_faulted_off_the_foreign_read_goes_through(tiny_model):
@@ -149,7 +149,7 @@ def test_with_the_guard_faulted_off_the_foreign_read_goes_through(tiny_model):
     engine.step()
     a.block_table[0] = b.block_table[0]
     engine.step()
-    assert a.status is SeqStatus.RUNNING and not engine.quarantined
+    assert a.status is SeqStatus.RUNNING and not engine.take_violations()
 
 
 def test_degenerate_sampling_parameters_still_pick_a_token(tiny_model):
@@ -161,3 +161,48 @@ def test_degenerate_sampling_parameters_still_pick_a_token(tiny_model):
                                                          top_p=5e-324, seed=1))
     (cold,) = engine.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True, temperature=1e-6, seed=1))
     assert tiny_p.output_ids == greedy_seq.output_ids == cold.output_ids
+
+
+# ---- what the engine's host hands back: reclaimed pages, a lost pool, finished sequences -------------
+
+def test_reclaimed_pages_fail_their_holder_scrubbed_without_a_violation_and_the_rest_runs_on(tiny_model):
+    engine = make_engine(tiny_model)
+    a = engine.add_request("a", list(range(10, 40)), greedy(8))
+    b = engine.add_request("b", list(range(50, 80)), greedy(8))
+    engine.step()
+    a_pages, b_pages = list(a.block_table), list(b.block_table)
+    failed = engine.reclaim([a_pages[1]])  # the ledger reaped a's lease (all of a's pages, in fact)
+    assert failed == [a] and a.status is SeqStatus.FAILED and a.block_table == []
+    assert float(engine.pool.data[a_pages].abs().sum()) == 0.0 and float(engine.pool.data[b_pages].abs().sum()) > 0
+    assert all(engine.block_manager.owner[p] is None for p in a_pages)
+    run_until_done(engine, [b])
+    assert b.status is SeqStatus.FINISHED and engine.take_violations() == []
+    assert [s.request_id for s in engine.pop_finished()] == ["a", "b"] and not engine.has_request("a")
+
+
+@pytest.mark.parametrize("scrub_policy", ["on_free", "on_alloc"])
+def test_a_lost_pool_fails_everything_and_zeroes_the_whole_tensor(tiny_model, scrub_policy):
+    engine = make_engine(tiny_model, scrub_policy=scrub_policy)
+    seqs = [engine.add_request(r, list(range(10, 40)), greedy(8)) for r in ("a", "b")]
+    engine.step()
+    assert sorted(s.request_id for s in engine.reset_pool("pool lost")) == ["a", "b"]
+    assert all(s.status is SeqStatus.FAILED and not s.block_table for s in seqs) and not engine.has_work
+    assert float(engine.pool.data.abs().sum()) == 0.0 and set(engine.block_manager.owner) == {None}
+    assert not engine.has_request("a") and engine.pages_of("a") is None
+
+
+def test_a_duplicate_request_is_refused_and_the_original_is_untouched(tiny_model):
+    prefill, decode = make_engine(tiny_model), make_engine(tiny_model)
+    prompt = list(range(10, 40))
+    p = prefill.add_request("r", prompt, greedy(4), prefill_only=True)
+    run_until_done(prefill, [p])
+    blob, _ = prefill.export_kv(p)
+    with pytest.raises(DuplicateRequest):
+        prefill.add_request("r", prompt, greedy(4))
+    d = decode.add_prefilled("r", prompt, p.output_ids[0], blob, greedy(4))
+    pages = decode.pages_of("r")
+    with pytest.raises(DuplicateRequest):
+        decode.add_prefilled("r", prompt, p.output_ids[0], blob, greedy(4))
+    assert decode.pages_of("r") == pages and d.status is SeqStatus.RUNNING
+    run_until_done(decode, [d])
+    assert len(d.output_ids) == 4

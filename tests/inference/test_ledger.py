@@ -10,8 +10,10 @@ from uuid import uuid4
 import pytest
 import redis
 
-from inference.allocator import Grant, IntegrityError, LedgerError
+from inference.allocator import Grant, IntegrityError, LedgerError, PoolLost
 from inference.ledger import (
+    GENERATION_SPAN,
+    Beat,
     ReclaimEvent,
     RedisLedger,
     check_eviction_policy,
@@ -192,25 +194,27 @@ def test_expired_lease_moves_pages_to_dirty_until_scrubbed(pool, redis_client):
     assert pool.reap_expired() == [ReclaimEvent("p0", "a", (0, 1, 2), (1, 2, 3), expiry)]
     assert pool.reap_expired() == []
     assert pool.num_free() == 4  # dirty pages are not free
-    assert pool.take_dirty() == [0, 1, 2]
-    assert pool.take_dirty() == [0, 1, 2]  # taking does not clean
+    assert pool.take_dirty("w") == [0, 1, 2]
+    assert pool.take_dirty("w") == []  # claimed once: a second beat gets nothing to scrub twice
     assert pool.owner_of(0) is None and pool.pages_of("a") == {}
     assert [pool.snapshot()[p] for p in range(5)] == ["dirty", "dirty", "dirty", {"owner": "b", "epoch": 4}, "free"]
     assert pool.renew_leases(["a", "b"]) == ["a"]
     assert pool.allocate("c", 5) is None
-    with pytest.raises(LedgerError, match="a cannot free page 1 at epoch 2: it is dirty, waiting to be scrubbed"):
+    with pytest.raises(LedgerError, match="a cannot free page 1 at epoch 2: it is dirty, waiting to be scrubbed by w"):
         pool.free("a", [1], [2])
     pool.check_integrity()
 
-    pool.mark_clean([2, 0])
+    pool.mark_clean([2, 0], "w")
     assert free_list(pool) == [4, 5, 6, 7, 2, 0]
     with pytest.raises(LedgerError, match="cannot mark page 0 clean: it is free"):
-        pool.mark_clean([0])
+        pool.mark_clean([0], "w")
     with pytest.raises(LedgerError, match="cannot mark page 3 clean: it is held by b at epoch 4"):
-        pool.mark_clean([1, 3])
-    assert pool.take_dirty() == [1]  # all or nothing
-    pool.mark_clean([1])
-    assert pool.take_dirty() == [] and pool.num_free() == 7
+        pool.mark_clean([1, 3], "w")
+    with pytest.raises(LedgerError, match="x cannot mark page 1 clean: it is dirty, waiting to be scrubbed by w"):
+        pool.mark_clean([1], "x")  # only the claimer, who scrubbed it
+    assert pool.snapshot()[1] == "dirty"  # all or nothing
+    pool.mark_clean([1], "w")
+    assert pool.take_dirty("w") == [] and pool.num_free() == 7
     pool.check_integrity()
 
 
@@ -219,8 +223,56 @@ def test_reap_with_a_far_future_clock_takes_every_owner(pool):
     pool.allocate("b", 1)
     events = pool.reap_expired(now_ms=10**15)
     assert sorted((e.owner, e.pages, e.epochs) for e in events) == [("a", (0, 1), (1, 2)), ("b", (2,), (3,))]
-    assert pool.take_dirty() == [0, 1, 2]
+    assert pool.take_dirty("w") == [0, 1, 2]
     pool.check_integrity()
+
+
+def test_beat_renews_its_owners_before_reaping_so_a_clock_step_takes_only_the_others(pool, redis_client):
+    pool.allocate("a", 2)
+    pool.allocate("b", 1)
+    pool.allocate("c", 1)
+    step = server_ms(redis_client) + 10**9  # Redis' clock stepped forward far past every lease
+    beat = pool.beat(["a", "b", "gone"], now_ms=step)
+    assert beat.missing == ("gone",)
+    assert [(e.owner, e.pages) for e in beat.reclaimed] == [("c", (3,))]  # not renewed: reaped
+    assert pool.pages_of("a") == {0: 1, 1: 2} and pool.pages_of("b") == {2: 3}
+    assert int(redis_client.zscore(pool.key("leases"), "a")) == step + 30_000
+    assert pool.beat(["a", "b"], now_ms=step + 29_000) == Beat((), ())
+    pool.check_integrity()
+
+
+def test_holds_is_true_only_for_the_owners_pages_at_their_epochs_under_a_lease(pool):
+    grant = pool.allocate("a", 2)
+    assert pool.holds("a", grant.pages, grant.epochs)
+    assert not pool.holds("a", grant.pages, (grant.epochs[0], grant.epochs[1] + 1))
+    assert not pool.holds("b", grant.pages, grant.epochs)
+    pool.reap_expired(now_ms=10**15)
+    assert not pool.holds("a", grant.pages, grant.epochs)
+
+
+def test_a_lost_pool_raises_pool_lost_and_reset_starts_a_generation_above_every_seen_epoch(pool, redis_client,
+                                                                                              ledger_prefix):
+    pool.allocate("a", 3)
+    for key in redis_client.scan_iter(match=f"{ledger_prefix}*"):
+        redis_client.delete(key)  # Redis restarted empty: the epoch counter is gone too
+    for call in (lambda: pool.allocate("b", 1), lambda: pool.beat(["a"]), lambda: pool.take_dirty("w"),
+                 lambda: pool.free("a", [0], [1]), lambda: pool.mark_clean([0], "w")):
+        with pytest.raises(PoolLost, match="pool p0: not registered"):
+            call()
+    pool.reset()
+    assert pool.generation == 1 and pool.allocate("b", 1) == Grant((0,), (GENERATION_SPAN + 1,))
+    pool.check_integrity()
+    assert RedisLedger(redis_client, "p0", prefix=ledger_prefix).generation == 1
+
+
+def test_a_counter_behind_what_this_client_was_granted_is_a_lost_pool(pool, redis_client):
+    pool.allocate("a", 3)
+    redis_client.set(pool.key("epoch"), 1)  # a failover to a replica that missed the last grants
+    with pytest.raises(PoolLost, match="epoch counter 1 is behind epoch 3"):
+        pool.allocate("b", 1)
+    with pytest.raises(PoolLost, match="behind"):
+        pool.beat(["a"])
+    assert RedisLedger(redis_client, "p0", prefix=pool.prefix).allocate("c", 1) is not None  # others have no floor
 
 
 def test_snapshot_and_owner_queries(pool):
@@ -264,6 +316,7 @@ def _corrupt_setup(pool):
     pool.renew_leases(["c"], ttl_s=0.001)
     time.sleep(0.01)
     assert [e.owner for e in pool.reap_expired()] == ["c"]
+    assert pool.take_dirty("w") == [5]
     pool.check_integrity()
 
 
@@ -299,6 +352,8 @@ CORRUPTIONS = {
         lambda r, k: r.hset(k("page_epoch"), 1, 1), "pages share an epoch: [1]"),
     "meta deleted": (
         lambda r, k: r.delete(k("meta")), "meta hash is missing"),
+    "free page claimed for scrubbing": (
+        lambda r, k: r.hset(k("scrubbing"), 6, "w"), "claimed for scrubbing that are not dirty: [6]"),
 }
 
 
@@ -323,7 +378,7 @@ def test_missing_pool_is_an_error_not_an_empty_pool(pool, redis_client, ledger_p
     with pytest.raises(LedgerError, match="pool nope is not registered"):
         RedisLedger(redis_client, "nope", prefix=ledger_prefix)
     redis_client.delete(pool.key("meta"))  # e.g. Redis restarted without persistence
-    with pytest.raises(LedgerError, match="pool p0: not registered"):
+    with pytest.raises(PoolLost, match="pool p0: not registered"):
         pool.allocate("a", 1)
 
 
@@ -346,7 +401,8 @@ def test_works_with_a_decoding_client(redis_client, ledger_prefix):
     assert pool.renew_leases(["a", "z"]) == ["z"]
     assert pool.owner_of(1) == ("a", 2)
     assert [e.owner for e in pool.reap_expired(now_ms=10**15)] == ["a"]
-    assert pool.take_dirty() == [0, 1]
+    assert pool.take_dirty("w") == [0, 1]
+    assert pool.beat(["a"]) == Beat(("a",), ())
     pool.check_integrity()
     assert ledger_from_url(URL, "p0", prefix=ledger_prefix).snapshot() == pool.snapshot()
     client.close()

@@ -26,6 +26,7 @@ class LedgerMachine(RuleBasedStateMachine):
         self.free: list[int] = list(range(NUM_PAGES))  # in order
         self.owned: dict[int, tuple[str, int]] = {}  # page -> (owner, epoch)
         self.dirty: set[int] = set()
+        self.claimed: set[int] = set()  # dirty pages claimed by the scrubber "w"
         self.next_epoch = 1
 
     def teardown(self):
@@ -122,24 +123,28 @@ class LedgerMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def scrub(self, data):
-        dirty = self.ledger.take_dirty()
-        assert dirty == sorted(self.dirty)
-        clean = data.draw(st.permutations(dirty))[: data.draw(st.integers(0, len(dirty)))]
-        self.ledger.mark_clean(clean)
+        claimed = self.ledger.take_dirty("w")
+        assert claimed == sorted(self.dirty - self.claimed)
+        self.claimed |= set(claimed)
+        assert self.ledger.take_dirty("w") == []  # never claimed twice
+        mine = sorted(self.claimed)
+        clean = data.draw(st.permutations(mine))[: data.draw(st.integers(0, len(mine)))]
+        self.ledger.mark_clean(clean, "w")
         self.dirty -= set(clean)
+        self.claimed -= set(clean)
         self.free.extend(clean)
 
     @rule(data=st.data())
     def bad_mark_clean(self, data):
-        page = data.draw(st.sampled_from([p for p in range(NUM_PAGES) if p not in self.dirty] or [NUM_PAGES]))
-        batch = sorted(self.dirty) + [page]
+        page = data.draw(st.sampled_from([p for p in range(NUM_PAGES) if p not in self.claimed] or [NUM_PAGES]))
+        batch = sorted(self.claimed) + [page]
         with pytest.raises(LedgerError, match=f"cannot mark page {page} clean"):
-            self.ledger.mark_clean(data.draw(st.permutations(batch)))
+            self.ledger.mark_clean(data.draw(st.permutations(batch)), "w")
 
     @rule()
     def worker_restarts(self):
         RedisLedger.register(self.client, self.ledger.pool_id, "sandbox", NUM_PAGES, 16, prefix=self.prefix)
-        self.free, self.owned, self.dirty = list(range(NUM_PAGES)), {}, set()
+        self.free, self.owned, self.dirty, self.claimed = list(range(NUM_PAGES)), {}, set(), set()
 
     @invariant()
     def ledger_matches_model(self):

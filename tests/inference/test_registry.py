@@ -107,3 +107,17 @@ def test_registries_with_different_prefixes_do_not_see_each_other(registry_redis
     other = Registry(registry_redis, prefix=registry.prefix + "-other")
     registry.register(make_worker(worker_id="p1"))
     assert other.live_workers() == []
+
+
+def test_silence_counts_rounds_without_a_beat_and_no_clock_can_fake_it(registry, make_worker):
+    registry.register(make_worker(worker_id="p1"))
+    registry.register(make_worker(worker_id="d1"))
+    assert registry.silence(["p1", "d1", "never"]) == {"p1": 0, "d1": 0, "never": 0}  # first sight
+    registry.heartbeat("p1")
+    assert registry.silence(["p1", "d1", "never"]) == {"p1": 0, "d1": 1, "never": 1}
+    registry.unregister("d1")  # a lapsed or deleted registration does not move the count either
+    assert registry.silence(["p1", "d1"]) == {"p1": 1, "d1": 2}
+    registry.register(make_worker(worker_id="d1"))  # back: it beat
+    assert registry.silence(["d1"]) == {"d1": 0}
+    registry.forget("d1")
+    assert registry.silence(["d1"]) == {"d1": 0}

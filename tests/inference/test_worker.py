@@ -1,14 +1,19 @@
 """WorkerRuntime in-process against real Redis: the prefill→decode path, the handoff refusals, the
 window check and lease reaping. The Celery processes around it are covered in tests/e2e."""
 import dataclasses
+import threading
 import time
 
 import pytest
+import torch
 
+from inference.cancel import Cancel
 from inference.engine import EngineConfig
 from inference.handoff import HandoffRefused, Verdict
+from inference.ledger import RedisLedger
 from inference.sequence import SeqStatus
-from inference.worker import RuntimeOptions, WindowTooLarge, WorkerRuntime, check_window
+from inference.worker import (DecodeCommand, PoolLostCommand, PrefillCommand, RequestFailed, RuntimeOptions, WindowTooLarge,
+                              WorkerRuntime, check_window)
 from tests.inference.helpers import greedy, make_engine
 
 KEY = b"k" * 32
@@ -70,7 +75,7 @@ def test_decode_refuses_bad_handoffs_and_takes_no_pages(runtimes, tamper, kind):
     with pytest.raises(HandoffRefused) as err:
         decode.decode("r", prompt, greedy(4), tamper(good).to_dict())
     assert err.value.kind == kind
-    assert decode.ledger.num_free() == 64 and not decode.engine.seqs
+    assert decode.ledger.num_free() == 64 and not decode.engine.has_request("r")
 
 
 def test_malformed_and_replayed_handoffs_are_refused(runtimes):
@@ -116,3 +121,294 @@ def test_a_pool_sized_by_memory_is_checked_against_the_window(tiny_model):
     assert pages == 2**20 // per_page and pages * 16 >= 1024
     with pytest.raises(WindowTooLarge):
         check_window(pages, 16, pages * 16 + 1, clamp=False)
+
+
+# ---- faults: the loop, leases, the pool, duplicates, cancellation ------------------------------------
+
+class Held:
+    """Holds the engine loop before its next step while `paused`, so a fault lands mid-request."""
+
+    def __init__(self, runtime):
+        self.open = threading.Event()
+        self.open.set()
+        real = runtime.engine.step
+        runtime.engine.step = lambda: (self.open.wait(30), real())[1]
+
+    def __enter__(self):
+        self.open.clear()
+        return self
+
+    def __exit__(self, *exc):
+        self.open.set()
+
+
+def start_decode(prefill, decode, rid, max_tokens=600, prompt=None):
+    """Runs prefill + decode of `rid` in a thread; returns (thread, box) once decode has streamed a delta."""
+    prompt = prompt or list(range(10, 50))
+    handoff = prefill.prefill(rid, prompt, greedy(max_tokens)).to_dict()
+    box = {}
+
+    def run():
+        try:
+            box["seq"] = decode.decode(rid, prompt, greedy(max_tokens), handoff)
+        except Exception as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    next(decode.outputs.read(rid, timeout_s=30))
+    return thread, box
+
+
+def final_event(runtime, rid):
+    return list(runtime.outputs.read(rid, timeout_s=30))[-1]
+
+
+def wait_until(predicate, timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def fault_runtimes(redis_client, ledger_prefix, tiny_model):
+    """Runtimes whose fatal path and lease records are observed instead of exiting the test process."""
+    made, seen = [], {"fatal": [], "lease_lost": [], "violations": []}
+
+    def make(role, **opts):
+        options = RuntimeOptions(prefix=ledger_prefix, lease_ttl_s=30, registry_ttl_s=15, **opts)
+        rt = WorkerRuntime(role, redis_client, KEY, model=tiny_model, options=options,
+                           config=EngineConfig(num_pages=64, page_size=16, window=1024),
+                           on_fatal=lambda runtime, reason: seen["fatal"].append(reason),
+                           on_lease_lost=lambda runtime, rid, pages: seen["lease_lost"].append(rid),
+                           on_violation=lambda runtime, v: seen["violations"].append(v))
+        made.append(rt)
+        return rt
+
+    yield make, seen
+    for rt in made:
+        rt.stop()
+
+
+def test_a_failed_step_fails_its_requests_with_an_error_event_and_the_loop_serves_on(fault_runtimes):
+    make, seen = fault_runtimes
+    rt = make("prefill")
+    real, calls = rt.engine.step, []
+
+    def step_that_fails_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected step failure")
+        return real()
+
+    rt.engine.step = step_that_fails_once
+    with pytest.raises(RequestFailed) as err:
+        rt.prefill("boom", list(range(10, 40)), greedy(4))
+    assert err.value.code == "engine_error" and "injected step failure" in err.value.message
+    assert final_event(rt, "boom") == {"type": "error", "code": "engine_error",
+                                       "message": "the engine failed: RuntimeError: injected step failure"}
+    assert rt.prefill("after", list(range(10, 40)), greedy(4)).verdict is Verdict.OK  # the loop goes on
+    assert rt.serving and not seen["fatal"] and rt.ledger.num_free() == 64
+    rt.ledger.check_integrity()
+
+
+def test_a_loop_that_cannot_go_on_fails_its_requests_unregisters_and_asks_to_exit(fault_runtimes, redis_client):
+    make, seen = fault_runtimes
+    rt = make("prefill", loop_max_failures=1)
+    rt.engine.step = lambda: (_ for _ in ()).throw(RuntimeError("the engine is broken"))
+    with pytest.raises(RequestFailed, match="engine_error"):
+        rt.prefill("doomed", list(range(10, 40)), greedy(4))
+    wait_until(lambda: seen["fatal"])
+    assert "the engine loop cannot go on" in seen["fatal"][0] and not rt.serving
+    assert rt.registry.live_workers() == []  # never advertised again
+    assert not redis_client.exists(rt.ledger.key("meta"))
+    rt.beat()  # the heartbeat of a dead loop does nothing more
+    assert rt.registry.live_workers() == [] and len(seen["fatal"]) == 1
+
+
+def test_the_heartbeat_never_advertises_a_stalled_loop(fault_runtimes):
+    make, seen = fault_runtimes
+    rt = make("decode", loop_stall_s=0.5)
+    stuck = threading.Event()
+    rt.engine.step = lambda: stuck.wait(30)
+    rt._commands.put(PrefillCommand("stall", list(range(10, 40)), greedy(4)))  # work: the loop steps, and hangs
+    wait_until(lambda: rt.engine.has_request("stall"))
+    time.sleep(1.0)
+    rt.beat()
+    stuck.set()
+    assert seen["fatal"] and "no progress" in seen["fatal"][0]
+    assert rt.registry.live_workers() == []
+
+
+def test_two_beats_never_queue_the_same_dirty_pages_and_the_loop_stays_alive(fault_runtimes, redis_client):
+    make, _ = fault_runtimes
+    rt = make("decode")
+    grant = rt.ledger.allocate("orphan", 3)  # pages of an owner this worker does not run
+    rt.engine.pool.data[list(grant.pages)] = 7.0
+    with Held(rt):
+        busy = PrefillCommand("busy", list(range(10, 30)), greedy(2))
+        rt._commands.put(busy)
+        wait_until(lambda: rt._commands.empty() and rt.engine.has_request("busy"))  # the loop waits to step
+        rt.beat(now_ms=10**15)  # its lease has expired: reaped into dirty, claimed, queued for the loop
+        rt.beat(now_ms=10**15)
+        assert rt._commands.qsize() == 1  # the second beat found nothing unclaimed
+    busy.future.result(30)
+    wait_until(lambda: rt.ledger.num_free() == 64)
+    assert rt.serving and float(rt.engine.pool.data[list(grant.pages)].abs().sum()) == 0.0
+    rt.ledger.check_integrity()
+
+
+def test_a_lost_lease_fails_the_request_lease_lost_scrubbed_and_no_violation(fault_runtimes, redis_client):
+    make, seen = fault_runtimes
+    prefill, decode = make("prefill"), make("decode")
+    thread, box = start_decode(prefill, decode, "r1")
+    with Held(decode):
+        pages = sorted(decode.ledger.pages_of("r1"))
+        # another process reaps the lease (a long pause, or Redis' clock stepping) while the request runs
+        reaper = RedisLedger(redis_client, decode.worker_id, prefix=decode.options.prefix)
+        assert [e.owner for e in reaper.reap_expired(now_ms=10**15)] == ["r1"]
+        decode.beat()
+    thread.join(30)
+    assert isinstance(box["error"], RequestFailed) and box["error"].code == "lease_lost"
+    assert final_event(decode, "r1")["code"] == "lease_lost"
+    assert seen["lease_lost"] == ["r1"] and not seen["violations"]
+    assert not decode.registry.is_quarantined(decode.worker_id)
+    wait_until(lambda: decode.ledger.num_free() == 64)
+    assert float(decode.engine.pool.data[pages].abs().sum()) == 0.0
+    decode.ledger.check_integrity()
+
+
+def test_a_lease_the_ledger_no_longer_has_fails_its_request_on_the_next_beat(fault_runtimes, redis_client):
+    make, seen = fault_runtimes
+    prefill, decode = make("prefill"), make("decode")
+    thread, box = start_decode(prefill, decode, "r8")
+    with Held(decode):
+        pages = sorted(decode.ledger.pages_of("r8"))
+        redis_client.zrem(decode.ledger.key("leases"), "r8")  # lost in a failover: the pages look held, no lease
+        decode.beat()  # renewal reports r8 missing
+    thread.join(30)
+    assert box["error"].code == "lease_lost" and seen["lease_lost"] == ["r8"] and not seen["violations"]
+    deltas = [e for e in decode.outputs.read("r8", timeout_s=5) if e["type"] == "delta"]
+    assert len(deltas) < 50  # stopped at that beat, not when it finished 600 tokens later
+    wait_until(lambda: decode.ledger.num_free() == 64)  # what the ledger still listed was released
+    assert float(decode.engine.pool.data[pages].abs().sum()) == 0.0
+    decode.ledger.check_integrity()
+
+
+def test_a_request_that_finishes_after_its_lease_was_reaped_fails_lease_lost(fault_runtimes, redis_client):
+    make, seen = fault_runtimes
+    prefill, decode = make("prefill"), make("decode")
+    thread, box = start_decode(prefill, decode, "r2", max_tokens=300)
+    with Held(decode):
+        RedisLedger(redis_client, decode.worker_id, prefix=decode.options.prefix).reap_expired(now_ms=10**15)
+    thread.join(60)  # no beat: the request ran on to its end and its free was refused
+    assert box["error"].code == "lease_lost" and seen["lease_lost"] == ["r2"] and not seen["violations"]
+    decode.beat()  # the reaped pages are then scrubbed by this worker and marked clean
+    wait_until(lambda: decode.ledger.num_free() == 64)
+    decode.ledger.check_integrity()
+
+
+def test_a_clock_step_does_not_expire_the_leases_of_running_requests(fault_runtimes, redis_client):
+    make, seen = fault_runtimes
+    prefill, decode = make("prefill"), make("decode")
+    thread, box = start_decode(prefill, decode, "r3", max_tokens=200)
+    with Held(decode):
+        decode.beat(now_ms=10**15)  # Redis' clock jumped: the beat renews r3 before it reaps anything
+    thread.join(60)
+    assert box["seq"].status is SeqStatus.FINISHED and len(box["seq"].output_ids) == 200
+    assert not seen["lease_lost"]
+
+
+def test_a_vanished_pool_fails_its_requests_scrubs_everything_and_serves_a_new_generation(fault_runtimes,
+                                                                                           redis_client):
+    make, _ = fault_runtimes
+    prefill, decode = make("prefill"), make("decode")
+    thread, box = start_decode(prefill, decode, "r4")
+    with Held(decode):
+        old_epochs = sorted(decode.ledger.pages_of("r4").values())
+        for key in redis_client.scan_iter(match=f"{decode.ledger.prefix}:pool:{decode.worker_id}:*"):
+            redis_client.delete(key)  # Redis lost the pool: restart without persistence, FLUSHDB, failover
+        redis_client.delete(decode.registry.key("info", decode.worker_id))
+        decode.beat()
+    thread.join(30)
+    assert box["error"].code == "pool_lost" and final_event(decode, "r4")["code"] == "pool_lost"
+    wait_until(lambda: decode.serving)
+    assert float(decode.engine.pool.data.abs().sum()) == 0.0  # the whole tensor
+    assert decode.ledger.generation == 1 and [w.worker_id for w in decode.registry.live_workers("decode")] == [
+        decode.worker_id]
+    seq = decode.decode("r5", list(range(10, 50)), greedy(8), prefill.prefill("r5", list(range(10, 50)),
+                                                                              greedy(8)).to_dict())
+    (record,) = decode.outputs.read_records({"r5"})
+    assert seq.status is SeqStatus.FINISHED and min(record["epochs"]) > max(old_epochs)
+    decode.ledger.check_integrity()
+
+
+def test_every_command_queued_with_a_failing_one_still_ends(fault_runtimes):
+    make, _ = fault_runtimes
+    rt = make("prefill")
+    with Held(rt):
+        busy = PrefillCommand("busy", list(range(10, 30)), greedy(2))
+        rt._commands.put(busy)
+        wait_until(lambda: rt._commands.empty() and rt.engine.has_request("busy"))
+        rt._commands.put(PoolLostCommand(rt.ledger.generation, "injected: the pool vanished"))
+        after = PrefillCommand("after", list(range(10, 30)), greedy(2))
+        rt._commands.put(after)  # drained in the same batch as the failing command
+    with pytest.raises(RequestFailed) as err:
+        after.future.result(30)
+    assert err.value.code == "pool_lost" and busy.future.done()
+    wait_until(lambda: rt.serving)
+
+
+def test_a_violation_fails_closed_and_quarantines_even_when_recording_the_incident_fails(redis_client, ledger_prefix,
+                                                                                         tiny_model, runtimes):
+    def broken_recorder(runtime, violation):
+        raise RuntimeError("the incident database is down")
+
+    options = RuntimeOptions(prefix=ledger_prefix, lease_ttl_s=30, registry_ttl_s=15)
+    decode = WorkerRuntime("decode", redis_client, KEY, model=tiny_model, options=options,
+                           config=EngineConfig(num_pages=64, page_size=16, window=1024), on_violation=broken_recorder)
+    try:
+        prefill = runtimes("prefill")
+        bystander, seen = start_decode(prefill, decode, "bystander", max_tokens=200)
+        thread, box = start_decode(prefill, decode, "victim")
+        with Held(decode):
+            other = decode.ledger.allocate("someone-else", 1)
+            decode.engine.seqs["victim"].block_table[0] = other.pages[0]  # the bug: a foreign page in its table
+        thread.join(30)
+        bystander.join(60)
+        assert box["error"].code == "kv_isolation_violation"
+        assert seen["seq"].status is SeqStatus.FINISHED  # the recorder's failure touched no other request
+        assert final_event(decode, "victim")["code"] == "kv_isolation_violation"
+        assert decode.registry.is_quarantined(decode.worker_id) and decode.serving
+    finally:
+        decode.stop()
+
+
+def test_a_duplicate_delivery_is_refused_and_the_original_runs_on(fault_runtimes):
+    make, _ = fault_runtimes
+    prefill, decode = make("prefill"), make("decode")
+    prompt = list(range(10, 50))
+    handoff = prefill.prefill("r6", prompt, greedy(300))
+    blob = decode.transport.receive(handoff)
+    original = DecodeCommand("r6", prompt, greedy(300), handoff.first_token, blob, 40)
+    decode._commands.put(original)
+    next(decode.outputs.read("r6", timeout_s=30))  # decoding
+    again = DecodeCommand("r6", prompt, greedy(300), handoff.first_token, blob, 40)  # delivered twice
+    decode._commands.put(again)
+    with pytest.raises(RequestFailed) as err:
+        again.future.result(30)
+    assert err.value.code == "duplicate_delivery"
+    seq = original.future.result(60)  # undisturbed
+    assert seq.status is SeqStatus.FINISHED and len(seq.output_ids) == 300
+    assert [e["type"] for e in decode.outputs.read("r6", timeout_s=5)].count("error") == 0
+
+
+def test_a_cancel_flag_aborts_the_running_request_and_frees_its_pages(fault_runtimes):
+    make, _ = fault_runtimes
+    prefill, decode = make("prefill"), make("decode")
+    thread, box = start_decode(prefill, decode, "r7")
+    decode.cancels.request(Cancel("r7", "client_disconnected", "the client went away"))
+    thread.join(30)
+    assert box["error"].code == "client_disconnected"
+    assert decode.ledger.num_free() == 64 and not decode.engine.has_request("r7")

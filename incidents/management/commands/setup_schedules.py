@@ -1,23 +1,27 @@
 """`manage.py setup_schedules`: the periodic tasks celery beat runs (django-celery-beat's DatabaseScheduler),
-created once: the canary every 5 minutes, the reaper every 30 seconds. Existing entries are left as an admin
+created once: the canary every 5 minutes, the reaper every KVSERVE_REAPER_INTERVAL_S (30) seconds. Existing entries are left as an admin
 edited them (interval, enabled); only a wrong task name is corrected. Edit them under Admin > Periodic tasks."""
+from django.conf import settings
 from django.core.management.base import BaseCommand
 from django_celery_beat.models import IntervalSchedule, PeriodicTask
 
-SCHEDULES = (
+
+def schedules() -> tuple:
     # name, task, every, period, expire_seconds, description
-    ("kvserve canary", "kvserve.canary", 5, IntervalSchedule.MINUTES, 300,
-     "Canary suite: marker traffic, reproduction, handoff contract, integrity, worker config, self-test."),
-    ("kvserve reaper", "kvserve.reap", 30, IntervalSchedule.SECONDS, 30,
-     "Fail requests of dead workers, reclaim expired page leases, retire dead pools."),
-)
+    reaper_s = settings.KVSERVE_REAPER_INTERVAL_S
+    return (
+        ("kvserve canary", "kvserve.canary", 5, IntervalSchedule.MINUTES, 300,
+         "Canary suite: marker traffic, reproduction, handoff contract, integrity, worker config, self-test."),
+        ("kvserve reaper", "kvserve.reap", reaper_s, IntervalSchedule.SECONDS, reaper_s,
+         "Fail requests of gone workers and requests no worker took, retire the pools of gone workers."),
+    )
 
 
 class Command(BaseCommand):
     help = "Create the canary and reaper schedules for celery beat (idempotent)."
 
     def handle(self, *args, **options):
-        for name, task, every, period, expire_s, description in SCHEDULES:
+        for name, task, every, period, expire_s, description in schedules():
             interval, _ = IntervalSchedule.objects.get_or_create(every=every, period=period)
             entry, created = PeriodicTask.objects.get_or_create(name=name, defaults={
                 "task": task, "interval": interval, "expire_seconds": expire_s, "description": description})

@@ -1,0 +1,125 @@
+"""The engine's allocator inside a worker: its own pool's RedisLedger, behind calls that never raise out of
+an engine step for an outcome the worker handles itself. A grant Redis cannot answer "does not fit now";
+a free the ledger refuses (the owner's pages were reaped: its lease is lost) or cannot take (Redis
+unreachable) is recorded for the worker loop, which fails or retries it. The pages themselves are
+forgotten and scrubbed by the engine either way, so nothing here can leave data readable.
+
+It also keeps the set of owners this process holds leases for, changed under one lock with every grant
+and free, and `beat` renews exactly that set under the same lock: the worker's own reaper can never
+take a lease it granted and still uses, however long the process was paused between the two.
+"""
+import logging
+import threading
+from typing import Sequence
+
+import redis
+
+from inference.allocator import Grant, LedgerError, PoolLost
+from inference.ledger import RedisLedger
+
+log = logging.getLogger(__name__)
+UNREACHABLE = (redis.ConnectionError, redis.TimeoutError)
+
+
+class HostLedger:
+    """PageAllocator for the engine; everything not listed here goes straight to the RedisLedger."""
+
+    def __init__(self, ledger: RedisLedger):
+        self.ledger = ledger
+        self._lock = threading.Lock()
+        self._held: set[str] = set()  # owners holding pages this process was granted
+        self._refused: set[str] = set()  # owners whose pages the ledger no longer listed as theirs
+        self._deferred: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []  # frees Redis could not take
+        self.pool_lost: str | None = None  # why, when a free found the pool gone
+
+    def __getattr__(self, name):
+        return getattr(self.ledger, name)
+
+    def allocate(self, owner: str, n: int) -> Grant | None:
+        return self._grant(self.ledger.allocate, owner, n)
+
+    def extend(self, owner: str, n: int) -> Grant | None:
+        return self._grant(self.ledger.extend, owner, n)
+
+    def _grant(self, grant, owner, n):
+        with self._lock:
+            try:
+                got = grant(owner, n)
+            except UNREACHABLE as exc:  # a grant whose reply was lost is reaped when its lease runs out
+                log.warning("ledger unreachable, %s waits for %d pages: %r", owner, n, exc)
+                return None
+            if got is not None and got.pages:
+                self._held.add(owner)
+            return got
+
+    def free(self, owner: str, pages: Sequence[int], epochs: Sequence[int]) -> None:
+        pages, epochs = tuple(pages), tuple(epochs)
+        try:
+            left = self.ledger.free(owner, pages, epochs)
+        except PoolLost as exc:
+            self.pool_lost = str(exc)
+        except LedgerError as exc:
+            log.warning("lease lost: the ledger refused to free %s's pages %s: %s", owner, list(pages), exc)
+            with self._lock:
+                self._refused.add(owner)
+                self._held.discard(owner)
+        except UNREACHABLE as exc:  # still held (and renewed) until the free goes through
+            log.warning("ledger unreachable, freeing %s's pages later: %r", owner, exc)
+            with self._lock:
+                self._deferred.append((owner, pages, epochs))
+        else:
+            if not left:
+                self.forget(owner)
+
+    def release(self, owner: str) -> list[int]:
+        """Frees what the ledger lists for `owner`; [] when it cannot (its lease runs out and is reaped)."""
+        try:
+            return self.ledger.release(owner)
+        except PoolLost as exc:
+            self.pool_lost = str(exc)
+        except (LedgerError, *UNREACHABLE) as exc:
+            log.warning("could not release %s's pages (its lease will be reaped): %r", owner, exc)
+        finally:
+            self.forget(owner)
+        return []
+
+    def forget(self, owner: str) -> None:
+        """`owner` no longer holds anything this process renews (its pages were reclaimed or released)."""
+        with self._lock:
+            self._held.discard(owner)
+
+    def beat(self, now_ms: int | None = None):
+        """The pool's heartbeat (RedisLedger.beat) renewing every owner this process holds, atomically with
+        respect to its grants and frees."""
+        with self._lock:
+            return self.ledger.beat(sorted(self._held), now_ms=now_ms)
+
+    def take_refused(self) -> set[str]:
+        """Owners whose free was refused since the last call: their leases were lost."""
+        with self._lock:
+            taken, self._refused = self._refused, set()
+        return taken
+
+    def retry_deferred(self) -> None:
+        """Frees that Redis could not take earlier (the pages are already scrubbed and forgotten here)."""
+        with self._lock:
+            pending, self._deferred = self._deferred, []
+        for i, (owner, pages, epochs) in enumerate(pending):
+            try:
+                left = self.ledger.free(owner, pages, epochs)
+            except UNREACHABLE:
+                with self._lock:
+                    self._deferred[:0] = pending[i:]
+                return
+            except LedgerError as exc:  # already freed by a call whose reply was lost, or reaped
+                log.info("deferred free of %s's pages dropped: %s", owner, exc)
+                left = 0
+            if not left:
+                self.forget(owner)
+
+    def reset(self) -> None:
+        """A new pool generation: what was recorded about the old one no longer applies."""
+        with self._lock:
+            self._held, self._refused, self._deferred = set(), set(), []
+        self.ledger.reset()
+        self.pool_lost = None
