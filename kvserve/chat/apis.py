@@ -3,6 +3,7 @@ tenant's own requests at /api/requests/<id> (status, usage, timings, verdicts) a
 import jinja2
 import redis
 from django.conf import settings
+from django.db import connection
 from drf_spectacular.utils import OpenApiResponse, extend_schema, extend_schema_field, extend_schema_serializer
 from kombu.exceptions import OperationalError as BrokerError
 from rest_framework import serializers
@@ -36,6 +37,13 @@ def sampling_params_normalize(data: dict) -> dict:
     if params.get("top_p") is not None and params["top_p"] < MIN_TOP_P:
         params["top_p"] = MIN_TOP_P
     return params
+
+
+def db_connection_release() -> None:
+    """From here on the answer waits on Redis, for seconds or minutes: hand this thread's database connection
+    back now (to the pool, or closed) rather than hold one per waiting client (PostgreSQL's max_connections)."""
+    if not connection.in_atomic_block:  # a caller's transaction (tests) keeps its connection
+        connection.close()
 
 
 class ChatApiBase(APIView):
@@ -171,6 +179,7 @@ class ChatCompletionsApi(ChatApiBase):
         except jinja2.TemplateError as exc:
             raise ApiError(f"The model's chat template refused these messages: {exc}", param="messages",
                            code="invalid_messages")
+        db_connection_release()
         if stream:
             include_usage = bool((data.get("stream_options") or {}).get("include_usage"))
             return sse_response(completion_chunks(req, include_usage=include_usage, fingerprint=model["fingerprint"]))
@@ -276,4 +285,5 @@ class ChatRequestStreamApi(ChatApiBase):
         req = chat_request_get_for_tenant(tenant=request.auth.tenant, request_id=request_id)
         if req.is_final and not output_stream_exists(req):
             raise ApiError(f"The events of request '{req.id}' have expired.", status_code=410, code="stream_expired")
+        db_connection_release()
         return sse_response(completion_chunks(req, include_usage=True, fingerprint=model_get()["fingerprint"]))
