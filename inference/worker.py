@@ -20,7 +20,8 @@ import torch
 from inference.engine import Engine, EngineConfig
 from inference.handoff import Handoff, HandoffRefused, Verdict, verify_for_decode
 from inference.ledger import RedisLedger, check_eviction_policy
-from inference.loader import load_model
+from inference.loader import load_model, model_name
+from inference.metrics import WorkerMetrics
 from inference.registry import Registry, WorkerInfo, WorkerNotRegistered
 from inference.scheduler import RequestTooLarge
 from inference.sequence import SamplingParams, Sequence, SeqStatus
@@ -89,6 +90,8 @@ class WorkerRuntime:
         self.registry = Registry(redis, prefix=opts.prefix, ttl_s=opts.registry_ttl_s)
         self.transport = RedisTransport(redis, opts.prefix, opts.transport_ttl_s)
         self.outputs = OutputStream(redis, opts.prefix)
+        self.metrics = WorkerMetrics(redis, opts.prefix, role=role, model_name=model_name(model.source),
+                                     worker_id=self.worker_id, gauges_ttl_s=opts.registry_ttl_s)
         self.on_violation = on_violation or (lambda runtime, violation: None)
         self.on_reclaim = on_reclaim or (lambda runtime, events: None)
         self.on_quarantine = on_quarantine or (lambda runtime, quarantined: None)
@@ -229,6 +232,7 @@ class WorkerRuntime:
             if seq is None:
                 return  # does not fit now; retried after the next step frees pages
             self._pending.popleft()
+            self.metrics.on_token(rid, seq.is_done)
             events = [(rid, {"type": "delta", "text": seq.text})] if seq.text else []
             if seq.is_done:
                 events.append((rid, self._final_event(seq)))
@@ -237,6 +241,7 @@ class WorkerRuntime:
             self.outputs.publish_many(events)
 
     def _handle(self, events) -> None:
+        self.metrics.on_step(events)
         out = []
         for ev in events:
             seq, rid = ev.seq, ev.seq.request_id
@@ -264,6 +269,7 @@ class WorkerRuntime:
         while self.engine.violations:
             violation = self.engine.violations.pop(0)
             self.quarantined = True
+            self.metrics.on_violation(violation.kind)
             try:
                 self.registry.quarantine(self.worker_id, f"{violation.kind} by {violation.reader}")
                 self.on_violation(self, violation)
@@ -292,6 +298,10 @@ class WorkerRuntime:
                 self.beat()
             except Exception:
                 log.exception("heartbeat failed")
+            try:
+                self.metrics.flush(self.engine, waiting=len(self._pending))
+            except Exception as exc:  # kept for the next beat; never in the way of leases and registration
+                log.warning("metrics not sent: %r", exc)
 
     def beat(self) -> None:
         owners = [rid for rid, s in list(self.engine.seqs.items()) if s.block_table]

@@ -18,7 +18,8 @@ from inference.handoff import HandoffRefused, Verdict
 from inference.ledger import RedisLedger, ledger_key
 from inference.sequence import SamplingParams, SeqStatus
 from incidents.services import incident_record
-from kvserve.chat.metrics import admission_rejection_count_incr
+from kvserve.chat.metrics import (admission_rejection_count_incr, chat_metrics_decoded, chat_metrics_failed,
+                                  chat_metrics_prefilled, chat_metrics_refused)
 from kvserve.chat.models import ChatRequest
 from kvserve.errors import ApiError
 from kvserve.workers import outputs_get, redis_get, registry_get
@@ -132,6 +133,7 @@ def chat_request_fail(req: ChatRequest, *, code: str, message: str, status: str 
     req.finished_at = timezone.now()
     req.save(update_fields=["status", "error_code", "error_message", "finished_at", "handoff_verdict",
                             "decode_verdict", "prefill_finished_at"])
+    chat_metrics_failed(req, code)
     outputs_get().publish(req.id, {"type": "error", "code": code, "message": message})
 
 
@@ -159,6 +161,7 @@ def chat_request_prefill(request_id: str, prompt_ids: list[int]) -> None:
     handoff = runtime.prefill(req.id, prompt_ids, sampling_params(req))
     req.handoff_verdict = handoff.verdict.value
     req.prefill_finished_at = timezone.now()
+    chat_metrics_prefilled(req, handoff.verdict.value)
     if handoff.verdict is Verdict.REJECTED:
         return chat_request_fail(req, code="context_length_exceeded", message=handoff.reason, status=Status.REJECTED)
     if handoff.verdict is not Verdict.OK:
@@ -181,9 +184,11 @@ def chat_request_decode(request_id: str, prompt_ids: list[int], handoff: dict) -
     if req.decode_deliveries > settings.KVSERVE_TASK_MAX_DELIVERIES:
         return chat_request_fail(req, code="redelivery_limit",
                                  message=f"decode was attempted {req.decode_deliveries - 1} times without finishing")
+    runtime.metrics.arrived(req.id, req.created_at.timestamp())  # its time to first token counts from here
     try:
         seq = runtime.decode(req.id, prompt_ids, sampling_params(req), handoff)
     except HandoffRefused as refused:
+        chat_metrics_refused(req, refused.kind)
         req.decode_verdict = refused.kind
         _handoff_incident(runtime, req, refused, handoff)
         return chat_request_fail(req, code="handoff_refused", message=f"decode refused the handoff: {refused.reason}")
@@ -198,6 +203,7 @@ def chat_request_decode(request_id: str, prompt_ids: list[int], handoff: dict) -
         if req.tenant.store_text:
             req.completion_text = seq.text
     req.save()
+    chat_metrics_decoded(req, seq)
 
 
 def _handoff_incident(runtime, req, refused: HandoffRefused, handoff: dict) -> None:

@@ -5,6 +5,7 @@ import json
 import signal
 import sys
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -65,6 +66,12 @@ def test_many_workers_claim_and_finish_rows_while_incidents_are_recorded(postgre
     assert {r[5] for r in table.values()} == decoders  # both decode workers finished rows
     assert stack.sql("select count(*) from incidents_incident where pool = 'load-test'") == [(75,)]
     assert stack.sql("select count(distinct id) from incidents_incident where pool = 'load-test'") == [(75,)]
+    # the counter every process adds to agrees with the rows, whatever interleaving the recorders had
+    ((recorded,),) = stack.sql("select count(*) from incidents_incident where kind = 'lease_expired' "
+                               "and severity = 'warning'")
+    with urllib.request.urlopen(stack.url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    assert f'kvserve_incidents_total{{kind="lease_expired",severity="warning"}} {float(recorded)}' in text
 
 
 @pytest.mark.timeout(600)
