@@ -33,6 +33,15 @@ log = logging.getLogger(__name__)
 CLIENT_ISOLATION_ERROR = "the request was stopped by a KV-cache isolation check; no content was returned"
 
 
+def delta_event(text: str, token: int | None = None, logprobs=None) -> dict:
+    """An output event: new text and, when the request asked for them, the log-probabilities of the token this
+    step produced, `logprobs: [[token id, logprob, [[id, logprob], ...]]]` (a token's text may come later)."""
+    event = {"type": "delta", "text": text}
+    if logprobs is not None:
+        event["logprobs"] = [[token, logprobs[0], [list(t) for t in logprobs[1]]]]
+    return event
+
+
 class WindowTooLarge(Exception):
     """The pool holds fewer tokens than the window the worker would serve (invariant 4)."""
 
@@ -128,7 +137,8 @@ class WorkerRuntime:
             return Handoff(verdict=Verdict.REJECTED, reason=reason, transferred_tokens=0, num_pages=0,
                            page_checksums=(), page_epochs=(), **base).signed(self.handoff_key)
         try:
-            first, blob, sums, epochs = self._submit("prefill", request_id, prompt_ids, params).result(timeout_s)
+            first, blob, sums, epochs, first_logprobs = self._submit("prefill", request_id, prompt_ids,
+                                                                     params).result(timeout_s)
         except RequestTooLarge as exc:
             return Handoff(verdict=Verdict.REJECTED, reason=str(exc), transferred_tokens=0, num_pages=0,
                            page_checksums=(), page_epochs=(), **base).signed(self.handoff_key)
@@ -138,7 +148,7 @@ class WorkerRuntime:
                            num_pages=0, page_checksums=(), page_epochs=(), **base).signed(self.handoff_key)
         handoff = Handoff(verdict=Verdict.OK, reason="", transferred_tokens=len(prompt_ids), num_pages=blob.shape[0],
                           page_checksums=tuple(sums), page_epochs=tuple(epochs), first_token=first,
-                          **base).signed(self.handoff_key)
+                          first_logprobs=first_logprobs, **base).signed(self.handoff_key)
         self.transport.send(handoff, blob)
         return handoff
 
@@ -157,7 +167,7 @@ class WorkerRuntime:
         blob = self.transport.receive(h)
         transfer_ms = (time.perf_counter() - started) * 1000
         seq = self._submit("decode", request_id, prompt_ids, params, h.first_token, blob,
-                           h.transferred_tokens).result(timeout_s)
+                           h.transferred_tokens, h.first_logprobs).result(timeout_s)
         seq.transfer_ms = round(transfer_ms, 2)
         return seq
 
@@ -222,7 +232,7 @@ class WorkerRuntime:
 
     def _admit_pending(self) -> None:
         while self._pending:
-            rid, prompt_ids, params, first, blob, transferred = self._pending[0]
+            rid, prompt_ids, params, first, blob, transferred, first_logprobs = self._pending[0]
             try:
                 seq = self.engine.add_prefilled(rid, prompt_ids, first, blob, params, num_transferred=transferred)
             except Exception as exc:
@@ -233,7 +243,7 @@ class WorkerRuntime:
                 return  # does not fit now; retried after the next step frees pages
             self._pending.popleft()
             self.metrics.on_token(rid, seq.is_done)
-            events = [(rid, {"type": "delta", "text": seq.text})] if seq.text else []
+            events = [(rid, delta_event(seq.text, first, first_logprobs))] if seq.text or first_logprobs else []
             if seq.is_done:
                 events.append((rid, self._final_event(seq)))
                 self.engine.seqs.pop(rid, None)
@@ -250,13 +260,13 @@ class WorkerRuntime:
                     blob, sums = self.engine.export_kv(seq)
                     epochs = seq.page_epochs[: blob.shape[0]]
                     self.engine.release(seq)
-                    self._futures.pop(rid).set_result((seq.output_ids[0], blob, sums, epochs))
+                    self._futures.pop(rid).set_result((seq.output_ids[0], blob, sums, epochs, ev.logprobs))
                 elif seq.status is SeqStatus.FAILED:
                     self.engine.seqs.pop(rid, None)
                     self._futures.pop(rid).set_exception(RuntimeError(CLIENT_ISOLATION_ERROR))
                 continue
-            if ev.text_delta:
-                out.append((rid, {"type": "delta", "text": ev.text_delta}))
+            if ev.text_delta or ev.logprobs:
+                out.append((rid, delta_event(ev.text_delta, ev.token, ev.logprobs)))
             if ev.finished:
                 out.append((rid, self._final_event(seq)))
                 if seq.read_record:

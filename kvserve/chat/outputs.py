@@ -1,6 +1,6 @@
-"""A request's output events (inference.streams) rendered as OpenAI responses: the whole `chat.completion`
-(sync: waits in the calling thread) and `chat.completion.chunk` server-sent events (async: waits on the
-event loop, so an open stream holds no blocked thread)."""
+"""A request's output events (inference.streams) rendered as OpenAI responses: the whole answer (sync: waits in
+the calling thread) and server-sent chunks (async: waits on the event loop, so an open stream holds no blocked
+thread), in the shape of the request's endpoint (kvserve/chat/shapes.py: chat.completion, text_completion)."""
 import json
 from collections.abc import AsyncIterator
 from functools import lru_cache
@@ -12,6 +12,7 @@ from django.http import StreamingHttpResponse
 
 from inference.streams import AsyncOutputStream, OutputStream
 from kvserve.chat.models import ChatRequest
+from kvserve.chat.shapes import CHAT
 from kvserve.errors import ApiError, error_body
 from kvserve.workers import outputs_get
 
@@ -55,15 +56,16 @@ def _usage(usage: dict | None, req: ChatRequest) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def completion_wait(req: ChatRequest, *, fingerprint: str = "") -> dict:
-    """Blocks until the request finishes; its chat.completion object, or ApiError on failure (never a
-    partial answer)."""
+def completion_wait(req: ChatRequest, *, fingerprint: str = "", shape=CHAT) -> dict:
+    """Blocks until the request finishes; its answer (a chat.completion by default), or ApiError on failure
+    (never a partial answer)."""
     timeout_s = settings.KVSERVE_RESPONSE_TIMEOUT_S
-    text, done = [], None
+    text, done, logprobs = [], None, []
     try:
         for event in _blocking_outputs(timeout_s).read(req.id, timeout_s=timeout_s):
             if event["type"] == "delta":
                 text.append(event.get("text", ""))
+                logprobs.extend(event.get("logprobs") or ())
             elif event["type"] == "done":
                 done = event
             else:
@@ -73,13 +75,10 @@ def completion_wait(req: ChatRequest, *, fingerprint: str = "") -> dict:
     except redis.RedisError as exc:
         raise ApiError(f"Lost the output stream: {exc.__class__.__name__}", status_code=SERVER_FAILURE_STATUS,
                        type="server_error", code="backend_unavailable")
-    return {
-        "id": req.id, "object": "chat.completion", "created": int(req.created_at.timestamp()), "model": req.model,
-        "system_fingerprint": fingerprint,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
-                     "finish_reason": done.get("finish_reason") or "stop", "logprobs": None}],
-        "usage": _usage(done.get("usage"), req),
-    }
+    base = {"id": req.id, "created": int(req.created_at.timestamp()), "model": req.model,
+            "system_fingerprint": fingerprint}
+    return shape.answer(base, "".join(text), done.get("finish_reason") or "stop", logprobs,
+                        _usage(done.get("usage"), req))
 
 
 def _sse(payload: dict | str) -> bytes:
@@ -87,17 +86,19 @@ def _sse(payload: dict | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-async def completion_chunks(req: ChatRequest, *, include_usage: bool, fingerprint: str = "") -> AsyncIterator[bytes]:
-    """The request's events as chat.completion.chunk SSE: a role chunk, content chunks, a chunk with the
-    finish_reason, a usage chunk when asked, then `[DONE]`. A failure is `data: {"error": {...}}` then
-    `[DONE]`. Reads with redis.asyncio on the event loop; its own connection closes with the stream."""
+async def completion_chunks(req: ChatRequest, *, include_usage: bool, fingerprint: str = "",
+                            shape=CHAT) -> AsyncIterator[bytes]:
+    """The request's events as SSE chunks (chat.completion.chunk by default): a role chunk (chat), content
+    chunks, a chunk with the finish_reason, a usage chunk when asked, then `[DONE]`. A failure is
+    `data: {"error": {...}}` then `[DONE]`. Reads with redis.asyncio on the event loop; its own connection
+    closes with the stream."""
     timeout_s, keepalive_s = settings.KVSERVE_RESPONSE_TIMEOUT_S, max(1, settings.KVSERVE_SSE_KEEPALIVE_S)
-    base = {"id": req.id, "object": "chat.completion.chunk", "created": int(req.created_at.timestamp()),
+    base = {"id": req.id, "object": shape.chunk_object(), "created": int(req.created_at.timestamp()),
             "model": req.model, "system_fingerprint": fingerprint}
+    sent = 0  # characters of text sent so far (text offsets of legacy logprobs)
 
-    def chunk(delta: dict, finish_reason=None) -> bytes:
-        return _sse({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason,
-                                          "logprobs": None}]})
+    def chunk(choice: dict) -> bytes:
+        return _sse({**base, "choices": [choice]})
 
     def error(event: dict) -> bytes:
         exc = event_error(event)
@@ -106,16 +107,18 @@ async def completion_chunks(req: ChatRequest, *, include_usage: bool, fingerprin
     client = aioredis.Redis.from_url(settings.REDIS_URL, socket_timeout=keepalive_s + 10)  # > one XREAD BLOCK
     stream = AsyncOutputStream(client, prefix=settings.KVSERVE_LEDGER_PREFIX)
     try:
-        yield chunk({"role": "assistant"})
+        for choice in shape.opening():
+            yield chunk(choice)
         try:
             async for event in stream.read(req.id, timeout_s=timeout_s, idle_s=keepalive_s):
                 if event is None:
                     yield b": keep-alive\n\n"
                 elif event["type"] == "delta":
-                    if event.get("text"):
-                        yield chunk({"content": event["text"]})
+                    if event.get("text") or event.get("logprobs"):
+                        yield chunk(shape.delta(event.get("text", ""), event.get("logprobs") or [], sent))
+                        sent += len(event.get("text", ""))
                 elif event["type"] == "done":
-                    yield chunk({}, event.get("finish_reason") or "stop")
+                    yield chunk(shape.finish(event.get("finish_reason") or "stop"))
                     if include_usage:
                         yield _sse({**base, "choices": [], "usage": _usage(event.get("usage"), req)})
                 else:

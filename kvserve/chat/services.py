@@ -65,53 +65,67 @@ def prompt_hash(prompt: str) -> str:
     return hmac.new(settings.KVSERVE_PROMPT_HASH_KEY.encode(), prompt.encode(), hashlib.sha256).hexdigest()
 
 
-def _context_length_exceeded(limit: int, total: str, prompt: str, max_tokens: int) -> ApiError:
+def _context_length_exceeded(limit: int, total: str, prompt: str, max_tokens: int,
+                             param: str = "messages") -> ApiError:
     admission_rejection_count_incr()
     return ApiError(
         f"This model's maximum context length is {limit} tokens. However, you requested {total} tokens "
-        f"({prompt} in the messages, {max_tokens} in the completion). Please reduce the length "
-        f"of the messages or completion.", param="messages", code="context_length_exceeded")
+        f"({prompt} in the {param}, {max_tokens} in the completion). Please reduce the length "
+        f"of the {param} or completion.", param=param, code="context_length_exceeded")
 
 
 def sampling_params(req: ChatRequest) -> SamplingParams:
     p = req.params
     return SamplingParams(max_tokens=req.max_tokens, temperature=p.get("temperature", 0.0), top_p=p.get("top_p", 1.0),
-                          top_k=p.get("top_k", 0), seed=p.get("seed"), stop=tuple(p.get("stop", ())))
+                          top_k=p.get("top_k", 0), seed=p.get("seed"), stop=tuple(p.get("stop", ())),
+                          logprobs=p.get("logprobs"))
 
 
 # ---- web side --------------------------------------------------------------------------------
 
-def chat_request_create(*, api_key, messages: list[dict], max_tokens: int, params: dict, stream: bool = False
-                        ) -> tuple[ChatRequest, list[int]]:
-    """Admission before reservation: an overlong request raises ApiError(400 context_length_exceeded)
-    before any row is written, any page reserved or any task queued."""
+def chat_request_create(*, api_key, messages: list[dict] | None = None, prompt: str | list[int] | None = None,
+                        max_tokens: int, params: dict, stream: bool = False) -> tuple[ChatRequest, list[int]]:
+    """Admission before reservation, for chat (`messages`, rendered with the model's chat template) and
+    completions (`prompt`: text tokenized as it is, or token ids used as they are): an overlong request raises
+    ApiError(400 context_length_exceeded) before any row is written, any page reserved or any task queued."""
     tokenizer, _, model_name = tokenizer_get()
-    prompt = tokenizer.render_chat(messages)
+    token_ids = None
+    if messages is not None:
+        text, param, id_prefix = tokenizer.render_chat(messages), "messages", "chatcmpl"
+    elif isinstance(prompt, str):
+        text, param, id_prefix = prompt, "prompt", "cmpl"
+    else:  # token ids: used as they are, hashed as their JSON
+        token_ids, text, param, id_prefix = list(prompt), json.dumps(list(prompt)), "prompt", "cmpl"
     limit = registry_get().effective_limit()
     if limit is None:
         admission_rejection_count_incr("no_workers")
         raise ApiError("no live prefill and decode workers are registered; try again shortly",
                        status_code=503, type="service_unavailable", code="no_workers")
-    # Before tokenizing (which costs seconds per MB here): no token covers more than max_token_chars
-    # characters, so a longer prompt than that many limits can never fit, and is never tokenized.
-    per_token = tokenizer.max_token_chars
-    if per_token and len(prompt) > per_token * limit:
-        least = math.ceil(len(prompt) / per_token)
-        raise _context_length_exceeded(limit, f"at least {least + max_tokens}", f"at least {least}: {len(prompt)} "
-                                       f"characters, and no token of this model covers more than {per_token}",
-                                       max_tokens)
-    prompt_ids = _prompt_encode(tokenizer, prompt)
+    if token_ids is None:
+        # Before tokenizing (which costs seconds per MB here): no token covers more than max_token_chars
+        # characters, so a longer prompt than that many limits can never fit, and is never tokenized.
+        per_token = tokenizer.max_token_chars
+        if per_token and len(text) > per_token * limit:
+            least = math.ceil(len(text) / per_token)
+            raise _context_length_exceeded(limit, f"at least {least + max_tokens}", f"at least {least}: {len(text)} "
+                                           f"characters, and no token of this model covers more than {per_token}",
+                                           max_tokens, param)
+        token_ids = _prompt_encode(tokenizer, text)
+    prompt_ids = token_ids
+    if not prompt_ids:
+        raise ApiError("The prompt is empty: it encodes to no tokens.", param=param, code="empty_prompt")
     if len(prompt_ids) + max_tokens > limit:
-        raise _context_length_exceeded(limit, str(len(prompt_ids) + max_tokens), str(len(prompt_ids)), max_tokens)
+        raise _context_length_exceeded(limit, str(len(prompt_ids) + max_tokens), str(len(prompt_ids)), max_tokens,
+                                       param)
     tenant = api_key.tenant
     params = dict(params)
     if params.get("seed") is None:
         params["seed"] = uuid.uuid4().int & (2**63 - 1)  # fixed here so any worker samples the same stream
     req = ChatRequest.objects.create(
-        id=f"chatcmpl-{uuid.uuid4().hex}", tenant=tenant, api_key=api_key, model=model_name, stream=stream,
+        id=f"{id_prefix}-{uuid.uuid4().hex}", tenant=tenant, api_key=api_key, model=model_name, stream=stream,
         params=params, max_tokens=max_tokens, prompt_tokens=len(prompt_ids),
-        prompt_hash=prompt_hash(prompt),
-        prompt_text=json.dumps(messages) if tenant.store_text else None,
+        prompt_hash=prompt_hash(text),
+        prompt_text=json.dumps(messages if messages is not None else prompt) if tenant.store_text else None,
     )
     from kvserve.chat.tasks import prefill
 
