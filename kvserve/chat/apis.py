@@ -320,8 +320,9 @@ class CompletionsApi(ChatApiBase):
         request=InputSerializer,
         responses={
             (200, "application/json"): OutputSerializer,
-            (200, SSE): OpenApiResponse(SSE_EVENT_SCHEMA, description="With `stream: true`: text_completion events "
-                                        "(`data: {...}`), a failure as `data: {\"error\": {...}}`, then `data: [DONE]`."),
+            (200, SSE): OpenApiResponse(SSE_EVENT_SCHEMA, description="With `stream: true`: text_completion "
+                                        "events (`data: {...}`), a failure as `data: {\"error\": {...}}`, then "
+                                        "`data: [DONE]`."),
             **error_responses(400, 401, 404, 413, 415, 429, 503),
         },
         description="Create a completion of a raw prompt (a string or token ids; no chat template). Admission, "

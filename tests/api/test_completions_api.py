@@ -124,7 +124,8 @@ def test_chat_logprobs_in_openai_shape(client, chat_env, key):
     assert choice["logprobs"] == {"refusal": None, "content": [  # the end-of-sequence token is not in the text
         {"token": " Paris", "logprob": -0.25, "bytes": list(b" Paris"),
          "top_logprobs": [{"token": " Paris", "logprob": -0.25, "bytes": list(b" Paris")}]},
-        {"token": ".", "logprob": -0.5, "bytes": [46], "top_logprobs": [{"token": ".", "logprob": -0.5, "bytes": [46]}]}]}
+        {"token": ".", "logprob": -0.5, "bytes": [46],
+         "top_logprobs": [{"token": ".", "logprob": -0.5, "bytes": [46]}]}]}
     streamed = sse_events(streaming_body(post(client, key, {**body, "stream": True}, url="/v1/chat/completions")))
     content = [c for e in streamed[:-1] for ch in e["choices"] if ch["logprobs"] for c in ch["logprobs"]["content"]]
     assert content == choice["logprobs"]["content"]

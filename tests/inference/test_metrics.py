@@ -105,7 +105,8 @@ def test_a_failed_flush_keeps_its_increments_for_the_next(redis_client, ledger_p
     w.redis = redis_client  # Redis is back
     w.flush(engine)
     m = rendered(redis_client, ledger_prefix)
-    assert m[("kvserve_guard_violations_total", (("kind", "foreign_read"), ("model_name", "m"), ("role", "prefill")))] == 2
+    violations = (("kind", "foreign_read"), ("model_name", "m"), ("role", "prefill"))
+    assert m[("kvserve_guard_violations_total", violations)] == 2
     assert m[("kvserve_scrubbed_pages_total", (("model_name", "m"), ("role", "prefill")))] == 4
 
 
