@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 REQ_HASH := $(shell cat requirements.txt requirements-model.txt | sha256sum | cut -c1-12)
 STAMP := $(VENV)/.installed-$(REQ_HASH)
 
-.PHONY: install run test bench redis
+.PHONY: install run test bench redis postgres
 
 install: $(STAMP)
 
@@ -21,10 +21,14 @@ $(STAMP): requirements.txt requirements-model.txt
 redis:
 	@scripts/ensure_redis.sh
 
+postgres:
+	@scripts/ensure_postgres.sh
+
 run: install redis
 	$(PY) scripts/run.py
 
-test: install redis
+# PostgreSQL: the e2e suite's session stack and the database tests run on a throwaway database per run
+test: install redis postgres
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest
 
 bench: install redis

@@ -1,30 +1,33 @@
-"""Prometheus exposition for /metrics: metric families from live state (Redis, the database), rendered at
-most once per KVSERVE_METRICS_CACHE_S in this process however many scrapers ask. One rendering costs two
-Redis round trips for all pools together (four O(1) counts per pool, never a page scan), a few for the
-workers, and a handful of database aggregates."""
+"""Prometheus exposition for /metrics, rendered at most once per KVSERVE_METRICS_CACHE_S in this process however
+many scrapers ask. Live state comes from Redis: pool page counts (four O(1) counts per pool in one MULTI, never a
+page scan), the worker registry and each live worker's gauges (one MGET), the broker's queue lengths, and the
+deployment-wide counters and histograms every process adds to (inference.metrics: one HGETALL per family). The
+database adds only indexed reads: requests in flight, the owners of pages held (by primary key), the latest
+canary run. So a rendering costs the same after a million requests as after one.
+
+Tenants appear as their ids (`tenant="7"`), never their names: /metrics is read by monitoring, not only staff."""
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from datetime import timedelta
 
 import redis
 from django.conf import settings
 from django.db import DatabaseError
-from django.db.models import Count, Sum
-from django.utils import timezone
+from django.db.models import Count
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, Metric
 
-from incidents.models import CanaryRun, Incident
+from incidents.canary.live import broker_queue_lengths
+from incidents.models import CanaryRun
+from inference import metrics as aggregated
 from inference.ledger import pool_counts
-from kvserve.chat.metrics import admission_rejection_counts
 from kvserve.chat.models import ChatRequest
 from kvserve.workers import redis_get, registry_get
 
 log = logging.getLogger(__name__)
-TOKENS_PER_SECOND_WINDOW_S = 60
 PAGE_STATES = ("used", "free", "dirty", "lost")
+IN_FLIGHT = (ChatRequest.Status.QUEUED, ChatRequest.Status.PREFILLING, ChatRequest.Status.DECODING)
 
 
 def _gauge(name, doc, labels, rows):
@@ -34,18 +37,22 @@ def _gauge(name, doc, labels, rows):
     return g
 
 
-# ---- Redis: pools, workers, admission -------------------------------------------------------------
+# ---- Redis: pools, workers, queues, the aggregated families -----------------------------------------------
 
-def pool_families():
+def pool_families(scrape: dict):
     pages = GaugeMetricFamily("kvserve_pool_pages", "KV pages per pool by state (used, free, dirty, lost)",
                               labels=["pool", "role", "state"])
+    usage = GaugeMetricFamily("kvserve_kv_cache_usage_perc", "Fraction of the pool's KV pages in use (1 = full)",
+                              labels=["model_name", "pool", "role"])
     for c in pool_counts(redis_get(), settings.KVSERVE_LEDGER_PREFIX):
         for state in PAGE_STATES:
             pages.add_metric([c.pool_id, c.role, state], getattr(c, state))
+        usage.add_metric([scrape["model_name"], c.pool_id, c.role], c.used / c.num_pages if c.num_pages else 0.0)
     yield pages
+    yield usage
 
 
-def worker_families():
+def worker_families(scrape: dict):
     registry = registry_get()
     workers = registry.live_workers()
     yield _gauge("kvserve_worker_capacity_tokens", "Tokens the worker's page pool holds", ["worker", "role"],
@@ -58,81 +65,90 @@ def worker_families():
     yield _gauge("kvserve_effective_context_limit_tokens",
                  "Admission limit (prompt + max_tokens); 0 when no prefill and decode worker can serve", [],
                  [((), limit or 0)])
+    gauges = aggregated.worker_gauges_read(redis_get(), settings.KVSERVE_LEDGER_PREFIX, [w.worker_id for w in workers])
+    scrape["pages"] = {w: g.get("pages", {}) for w, g in gauges.items()}
+    m = scrape["model_name"]
+    rows = [(w, g) for w, g in gauges.items() if g]
+    yield _gauge("kvserve_num_requests_running", "Requests in the worker's engine batch (prefilling or decoding)",
+                 ["model_name", "worker", "role"], [((m, w, g["role"]), g["running"]) for w, g in rows])
+    yield _gauge("kvserve_num_requests_waiting", "Requests taken by the worker but waiting for pages",
+                 ["model_name", "worker", "role"], [((m, w, g["role"]), g["waiting"]) for w, g in rows])
 
 
-def admission_families():
-    c = CounterMetricFamily("kvserve_admission_rejections", "Requests refused at admission (no row written), by reason",
-                            labels=["reason"])
-    counts = {"context_length_exceeded": 0, **admission_rejection_counts()}
-    for reason, n in sorted(counts.items()):
-        c.add_metric([reason], n)
-    yield c
+def queue_families(scrape: dict):
+    yield _gauge("kvserve_queue_tasks", "Tasks waiting in the broker's queue for a worker", ["queue"],
+                 [((q,), n) for q, n in broker_queue_lengths().items()])
 
 
-# ---- the database: requests, incidents, canaries ---------------------------------------------------
-
-def _count_by(field: str, **filters) -> list:
-    qs = ChatRequest.objects.filter(**filters).values(field).annotate(n=Count("pk")).order_by(field)
-    return [((row[field],), row["n"]) for row in qs]
-
-
-def request_families():
-    statuses = dict.fromkeys(ChatRequest.Status.values, 0)
-    statuses.update({values[0]: n for values, n in _count_by("status")})
-    yield _gauge("kvserve_chat_requests", "ChatRequest rows by status", ["status"],
-                 [((s,), n) for s, n in statuses.items()])
-    yield _gauge("kvserve_handoff_verdicts", "ChatRequest rows by prefill->decode handoff verdict", ["verdict"],
-                 _count_by("handoff_verdict", handoff_verdict__gt=""))
-    yield _gauge("kvserve_decode_verdicts", "ChatRequest rows by decode-side verdict", ["verdict"],
-                 _count_by("decode_verdict", decode_verdict__gt=""))
-    since = timezone.now() - timedelta(seconds=TOKENS_PER_SECOND_WINDOW_S)
-    tokens = ChatRequest.objects.filter(finished_at__gte=since).aggregate(t=Sum("completion_tokens"))["t"] or 0
-    yield _gauge("kvserve_decode_tokens_per_second",
-                 f"Completion tokens of requests finished in the last {TOKENS_PER_SECOND_WINDOW_S} s, per second",
-                 [], [((), tokens / TOKENS_PER_SECOND_WINDOW_S)])
+def aggregated_families(scrape: dict):
+    raw = aggregated.families_read(redis_get(), settings.KVSERVE_LEDGER_PREFIX)
+    m = scrape["model_name"]
+    defaults = {"admission_rejections": [{"reason": "context_length_exceeded"}],
+                **{name: [{"model_name": m}] for name, f in aggregated.FAMILIES.items() if f.labels == ("model_name",)}}
+    yield from aggregated.families_render(raw, defaults)
+    recorded, resolved = (sum(float(v) for v in raw[name].values()) for name in ("incidents", "incidents_resolved"))
+    yield _gauge("kvserve_incidents_open", "Incidents recorded and not (yet) resolved", [],
+                 [((), max(0.0, recorded - resolved))])
 
 
-def incident_families():
-    incidents = Incident.objects.values("kind", "severity").annotate(n=Count("pk")).order_by("kind", "severity")
-    yield _gauge("kvserve_incidents", "Incidents recorded, by kind and severity", ["kind", "severity"],
-                 [((row["kind"], row["severity"]), row["n"]) for row in incidents])
-    yield _gauge("kvserve_incidents_open", "Incidents not resolved", [],
-                 [((), Incident.objects.filter(resolved_at__isnull=True).count())])
+# ---- the database: indexed reads only ------------------------------------------------------------------
+
+def request_families(scrape: dict):
+    rows = ChatRequest.objects.filter(status__in=IN_FLIGHT).values("status").annotate(n=Count("pk")).order_by()
+    counts = dict.fromkeys(IN_FLIGHT, 0)
+    counts.update({row["status"]: row["n"] for row in rows})  # through the status index: in-flight rows only
+    yield _gauge("kvserve_requests_in_flight", "Admitted requests not yet finished, by status", ["status"],
+                 [((s,), n) for s, n in counts.items()])
 
 
-def canary_families():
-    yield _gauge("kvserve_canary_runs", "Canary runs by result", ["result"],
-                 [(("passed",), CanaryRun.objects.filter(passed=True).count()),
-                  (("failed",), CanaryRun.objects.filter(passed=False).count())])
-    run = CanaryRun.objects.first()
+def tenant_page_families(scrape: dict):
+    """Pages held per tenant per pool, from the workers' gauges; tenants by id."""
+    held = scrape.get("pages") or {}
+    owners = {rid for pages in held.values() for rid in pages}
+    tenants = dict(ChatRequest.objects.filter(id__in=owners).values_list("id", "tenant_id")) if owners else {}
+    totals: dict[tuple[str, str], int] = {}
+    for pool, pages in held.items():
+        for rid, n in pages.items():
+            key = (pool, str(tenants.get(rid, "none")))
+            totals[key] = totals.get(key, 0) + int(n)
+    yield _gauge("kvserve_kv_pages_held", "KV pages held per pool per tenant (tenant id; \"none\": not a chat "
+                 "request, e.g. a canary probe)", ["model_name", "pool", "tenant"],
+                 [((scrape["model_name"], pool, tenant), n) for (pool, tenant), n in sorted(totals.items())])
+
+
+def canary_families(scrape: dict):
+    run = CanaryRun.objects.first()  # the started_at index
     checks = [c for c in (run.checks or []) if isinstance(c, dict) and "name" in c] if run else []
     yield _gauge("kvserve_canary_check_passed", "1 when the check passed in the latest canary run", ["check"],
                  [((str(c["name"]),), int(bool(c.get("passed")))) for c in checks])
     yield _gauge("kvserve_canary_check_duration_seconds", "Duration of each check in the latest canary run",
                  ["check"], [((str(c["name"]),), float(c["duration_s"])) for c in checks
                              if isinstance(c.get("duration_s"), (int, float))])
-    if run is not None:
-        yield _gauge("kvserve_canary_last_run_timestamp_seconds", "Start of the latest canary run (Unix time)", [],
-                     [((), run.started_at.timestamp())])
-        yield _gauge("kvserve_canary_last_run_passed", "1 when the latest canary run passed", [],
-                     [((), int(run.passed))])
+    yield _gauge("kvserve_canary_last_run_timestamp_seconds", "Start of the latest canary run (Unix time)", [],
+                 [((), run.started_at.timestamp())] if run else [])
+    yield _gauge("kvserve_canary_last_run_passed", "1 when the latest canary run passed", [],
+                 [((), int(run.passed))] if run else [])
 
 
 # (backend, the exception that means it is down, family sources). Add a family by adding a source to its
 # backend; a backend that fails leaves all of its families out of the scrape and reports kvserve_<name>_up 0.
-BACKENDS: tuple[tuple[str, type[Exception], tuple[Callable[[], Iterable[Metric]], ...]], ...] = (
-    ("redis", redis.RedisError, (pool_families, worker_families, admission_families)),
-    ("database", DatabaseError, (request_families, incident_families, canary_families)),
+# Sources share one `scrape` dict: what a later source needs from an earlier one (the workers' pages).
+BACKENDS: tuple[tuple[str, type[Exception], tuple[Callable[[dict], Iterable[Metric]], ...]], ...] = (
+    ("redis", redis.RedisError, (pool_families, worker_families, queue_families, aggregated_families)),
+    ("database", DatabaseError, (request_families, tenant_page_families, canary_families)),
 )
 
 
 class KvserveCollector:
-    """Live state per rendering: nothing is counted in this process, so every web process reports the same."""
+    """Shared state per rendering: nothing is counted in this process, so every web process reports the same."""
 
     def collect(self):
+        from kvserve.chat.selectors import model_get
+
+        scrape = {"model_name": model_get()["id"]}
         for name, down, sources in BACKENDS:
             try:
-                families = [family for source in sources for family in source()]  # all or nothing
+                families = [family for source in sources for family in source(scrape)]  # all or nothing
                 up = 1
             except down:
                 log.warning("/metrics: %s unreachable; its metrics are left out", name, exc_info=True)

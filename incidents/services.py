@@ -7,7 +7,8 @@ from django.db import transaction
 from django.utils import timezone
 
 from incidents.models import Incident, WorkerRelease
-from kvserve.workers import registry_get
+from inference.metrics import Batch
+from kvserve.workers import metrics_send, registry_get
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ def incident_record(
     )
     incident.full_clean()
     incident.save()
+    metrics_send(Batch().inc("incidents", kind=incident.kind, severity=incident.severity), f"incident #{incident.pk}")
     log.error(
         "INCIDENT #%s %s %s pool=%s worker=%s pages=%s reader=%s previous_owner=%s detected_by=%s",
         incident.pk, incident.severity, incident.kind, pool, worker, incident.pages,
@@ -82,6 +84,8 @@ def incident_resolve(*, incident: Incident, by_user, notes: str = "") -> Inciden
     incident_acknowledge(incident=incident, by_user=by_user)
     if incident.resolved_at is None:
         incident.resolved_by, incident.resolved_at = by_user, timezone.now()
+        counted = Batch().inc("incidents_resolved", kind=incident.kind, severity=incident.severity)
+        transaction.on_commit(lambda: metrics_send(counted, f"the resolution of incident #{incident.pk}"))
     if notes:
         incident.notes = f"{incident.notes}\n{notes}".strip()
     incident.save(update_fields=["resolved_by", "resolved_at", "notes"])

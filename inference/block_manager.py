@@ -64,6 +64,7 @@ class BlockManager:
         self.owner: list[str | None] = [None] * n
         self.epoch: list[int] = [0] * n
         self.written: list[int] = [0] * n
+        self.num_guard_checks = 0  # check_reads calls since start (a metric: kvserve_guard_checks_total)
 
     @property
     def pool_id(self) -> str:
@@ -118,6 +119,7 @@ class BlockManager:
     def check_reads(self, seq: Sequence, num_past: int, num_new: int) -> None:
         """Raises OwnershipViolation unless every page in seq's block table is its own at the
         current epoch and the `num_past` cached tokens it will read were written for it."""
+        self.num_guard_checks += 1
         rid, ps = seq.request_id, self.page_size
         needed = -(-(num_past + num_new) // ps)
         if needed > len(seq.block_table):

@@ -14,7 +14,7 @@ from inference.faults import NO_FAULTS, Faults
 from inference.kv_cache import PagePool, page_checksums
 from inference.loader import LoadedModel, load_model
 from inference.model import Llama
-from inference.sampling import sample
+from inference.sampling import sample, sampled_logprobs
 from inference.scheduler import RequestTooLarge, ScheduledChunk, Scheduler
 from inference.sequence import SamplingParams, Sequence, SeqStatus
 
@@ -31,6 +31,7 @@ class StepEvent:
     token: int | None  # the token sampled this step (None for a failure)
     text_delta: str
     finished: bool
+    logprobs: tuple | None = None  # (logprob, ((id, logprob), ...)) of `token`, when its request asked
 
 
 @dataclass
@@ -286,8 +287,10 @@ class Engine:
         if to_sample:
             logits = self.model.logits(hidden[torch.tensor([sample_rows[s.request_id] for s in to_sample])])
             tokens = sample(logits, [s.params for s in to_sample], [len(s.output_ids) for s in to_sample])
-            for seq, token in zip(to_sample, tokens):
+            logprobs = sampled_logprobs(logits, tokens, [s.params.logprobs for s in to_sample])
+            for seq, token, lp in zip(to_sample, tokens, logprobs):
                 events.append(self._on_token(seq, token))
+                events[-1].logprobs = lp
         return events
 
     def _prepare(self, chunks: list[ScheduledChunk]):

@@ -31,6 +31,7 @@ class Handoff:
     dtype: str
     prefill_worker: str
     first_token: int | None = None
+    first_logprobs: list | None = None  # the first token's (logprob, [[id, logprob], ...]) when the request asked
     created_at: float = field(default_factory=time.time)
     signature: str = ""
 

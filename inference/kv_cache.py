@@ -23,6 +23,7 @@ class PagePool:
         self.data = torch.empty(num_pages + 1, num_layers, 2, page_size, num_kv_heads, head_dim,
                                 dtype=dtype, device=device)
         self.data.fill_(0)  # touch every page now: first-touch faults would otherwise land on the hot path
+        self.num_scrubbed = 0  # pages zeroed since start (a metric: kvserve_scrubbed_pages_total)
 
     @staticmethod
     def page_bytes(page_size, num_layers, num_kv_heads, head_dim, dtype) -> int:
@@ -44,6 +45,7 @@ class PagePool:
         if len(pages):
             idx = torch.as_tensor(list(pages), dtype=torch.long, device=self.data.device)
             self.data.index_fill_(0, idx, 0)
+            self.num_scrubbed += len(idx)
 
     def export_pages(self, pages) -> torch.Tensor:
         """A copy of whole pages, [n, layers, 2, page_size, kv_heads, head_dim]."""

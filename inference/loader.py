@@ -165,10 +165,16 @@ DEFAULT_TEMPLATE = (
 )
 
 
+def model_name(path: str | os.PathLike) -> str:
+    """The served name of the model at `path`: the directory's name, or the file's up to its first dot."""
+    p = Path(path)
+    return p.name if p.is_dir() else p.name.split(".")[0]
+
+
 def load_tokenizer(path=None) -> tuple[ChatTokenizer, str, str]:
     """(tokenizer, model fingerprint, model name) without loading weights: for the API process."""
     p = resolve_model_path(path)
-    name = p.name if p.is_dir() else p.name.split(".")[0]
+    name = model_name(p)
     if p.is_dir():
         model = _load_hf_dir(p)
         return model.tokenizer, model.fingerprint, name

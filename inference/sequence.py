@@ -13,12 +13,15 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none computed; n: each token's log-probability and the n most likely
 
     def __post_init__(self):
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             raise ValueError("temperature >= 0, 0 < top_p <= 1 and top_k >= 0 are required")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError("logprobs must be None or 0..20")
         if self.seed is None:
             object.__setattr__(self, "seed", random.getrandbits(63))
 

@@ -37,7 +37,8 @@ from inference.engine import Engine, EngineConfig
 from inference.handoff import Handoff, HandoffRefused, Verdict, verify_for_decode
 from inference.host_ledger import UNREACHABLE, HostLedger
 from inference.ledger import RedisLedger, check_eviction_policy
-from inference.loader import load_model
+from inference.loader import load_model, model_name
+from inference.metrics import WorkerMetrics
 from inference.registry import Registry, WorkerInfo, WorkerNotRegistered
 from inference.scheduler import RequestTooLarge
 from inference.sequence import SamplingParams, Sequence, SeqStatus
@@ -53,6 +54,15 @@ POOL_LOST_ERROR = ("the worker's page pool vanished from Redis (restart, failove
                    "stopped, the worker scrubbed its pages and serves again")
 EXIT_LOOP_DEAD = 70  # the process exit status when the engine loop cannot go on
 MAX_OUTBOX = 100_000  # output events kept while Redis is unreachable
+
+
+def delta_event(text: str, token: int | None = None, logprobs=None) -> dict:
+    """An output event: new text and, when the request asked for them, the log-probabilities of the token this
+    step produced, `logprobs: [[token id, logprob, [[id, logprob], ...]]]` (a token's text may come later)."""
+    event = {"type": "delta", "text": text}
+    if logprobs is not None:
+        event["logprobs"] = [[token, logprobs[0], [list(t) for t in logprobs[1]]]]
+    return event
 
 
 class WindowTooLarge(Exception):
@@ -139,6 +149,7 @@ class DecodeCommand:
     first_token: int
     blob: torch.Tensor = field(compare=False)
     num_transferred: int
+    first_logprobs: tuple | None = field(default=None, compare=False)  # (logprob, top) of first_token, if asked
     future: Future = field(default_factory=Future, compare=False)
 
 
@@ -206,6 +217,8 @@ class WorkerRuntime:
         self.transport = RedisTransport(redis, opts.prefix, opts.transport_ttl_s)
         self.outputs = OutputStream(redis, opts.prefix)
         self.cancels = Cancellations(redis, opts.prefix)
+        self.metrics = WorkerMetrics(redis, opts.prefix, role=role, model_name=model_name(model.source),
+                                     worker_id=self.worker_id, gauges_ttl_s=opts.registry_ttl_s)
         self.on_violation = on_violation or (lambda runtime, violation: None)
         self.on_reclaim = on_reclaim or (lambda runtime, events: None)
         self.on_lease_lost = on_lease_lost or (lambda runtime, request_id, pages: None)
@@ -260,7 +273,8 @@ class WorkerRuntime:
         if reason:  # never a placeholder: a prompt that cannot be held ends REJECTED, nothing taken or sent
             return Handoff(verdict=Verdict.REJECTED, reason=reason, **empty, **base).signed(self.handoff_key)
         try:
-            first, blob, sums, epochs = self._run(PrefillCommand(request_id, prompt_ids, params), timeout_s)
+            first, blob, sums, epochs, first_logprobs = self._run(PrefillCommand(request_id, prompt_ids, params),
+                                                                  timeout_s)
         except RequestTooLarge as exc:
             return Handoff(verdict=Verdict.REJECTED, reason=str(exc), **empty, **base).signed(self.handoff_key)
         if still_wanted is not None and not still_wanted():
@@ -268,7 +282,7 @@ class WorkerRuntime:
                            **base).signed(self.handoff_key)
         handoff = Handoff(verdict=Verdict.OK, reason="", transferred_tokens=len(prompt_ids), num_pages=blob.shape[0],
                           page_checksums=tuple(sums), page_epochs=tuple(epochs), first_token=first,
-                          **base).signed(self.handoff_key)
+                          first_logprobs=first_logprobs, **base).signed(self.handoff_key)
         self.transport.send(handoff, blob)
         return handoff
 
@@ -286,8 +300,8 @@ class WorkerRuntime:
         started = time.perf_counter()
         blob = self.transport.receive(h)
         transfer_ms = (time.perf_counter() - started) * 1000
-        seq = self._run(DecodeCommand(request_id, prompt_ids, params, h.first_token, blob, h.transferred_tokens),
-                        timeout_s)
+        seq = self._run(DecodeCommand(request_id, prompt_ids, params, h.first_token, blob, h.transferred_tokens,
+                                      h.first_logprobs), timeout_s)
         seq.transfer_ms = round(transfer_ms, 2)
         return seq
 
@@ -438,28 +452,32 @@ class WorkerRuntime:
             if seq is None:
                 return  # does not fit now; retried after the next step frees pages
             self._pending.popleft()
-            events = [(rid, {"type": "delta", "text": seq.text})] if seq.text else []
-            self._publish(events)
+            self.metrics.on_token(rid, seq.is_done)
+            if seq.text or cmd.first_logprobs:
+                self._publish([(rid, delta_event(seq.text, cmd.first_token, cmd.first_logprobs))])
             if seq.is_done:
                 self._finish([seq], self._host.take_refused())
 
     def _handle(self, events) -> None:
         e = self.engine
+        self.metrics.on_step(events)
         out, finished, exported = [], [], {}
         for ev in events:
             seq = ev.seq
             if seq.prefill_only and seq.status is SeqStatus.PREFILLED:
                 blob, sums = e.export_kv(seq)
-                exported[seq.request_id] = (seq.output_ids[0], blob, sums, seq.page_epochs[: blob.shape[0]])
+                exported[seq.request_id] = (seq.output_ids[0], blob, sums, seq.page_epochs[: blob.shape[0]],
+                                            ev.logprobs)
                 e.release(seq)
-            elif ev.text_delta:
-                out.append((seq.request_id, {"type": "delta", "text": ev.text_delta}))
+            elif ev.text_delta or ev.logprobs:
+                out.append((seq.request_id, delta_event(ev.text_delta, ev.token, ev.logprobs)))
             if ev.finished:
                 finished.append(seq)
         self._publish(out)
         self._finish(finished, self._host.take_refused(), exported)
         e.pop_finished()
         for violation in e.take_violations():  # each already failed its request closed, with its error event
+            self.metrics.on_violation(violation.kind)
             try:
                 self.registry.quarantine(self.worker_id, f"{violation.kind} by {violation.reader}")
                 self.on_violation(self, violation)
@@ -603,6 +621,10 @@ class WorkerRuntime:
                 self.beat()
             except Exception:
                 log.exception("heartbeat failed")
+            try:
+                self.metrics.flush(self.engine, waiting=len(self._pending))
+            except Exception as exc:  # kept for the next beat; never in the way of leases and registration
+                log.warning("metrics not sent: %r", exc)
 
     def beat(self, now_ms: int | None = None) -> None:
         """Watchdog, leases, dirty pages, registration, quarantine. `now_ms` overrides Redis' clock (tests)."""

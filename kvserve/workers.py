@@ -1,10 +1,13 @@
 """Django-side access to Redis-backed engine state: the worker registry and output streams, built from settings."""
+import logging
 from functools import lru_cache
 
 import redis
 from django.conf import settings
 
 from inference.registry import Registry
+
+log = logging.getLogger(__name__)
 
 
 @lru_cache(maxsize=8)
@@ -37,3 +40,12 @@ def registry_get() -> Registry:
         prefix=settings.KVSERVE_LEDGER_PREFIX,
         ttl_s=settings.KVSERVE_REGISTRY_TTL_S,
     )
+
+
+def metrics_send(batch, what: str) -> None:
+    """Sends a batch of metric increments (inference.metrics.Batch) under the deployment's prefix in one round
+    trip. Never raises: a metric must not break what it measures."""
+    try:
+        batch.send(redis_get(), settings.KVSERVE_LEDGER_PREFIX)
+    except redis.RedisError:
+        log.warning("metrics of %s not recorded: Redis unreachable", what, exc_info=True)

@@ -114,3 +114,17 @@ def tiny_model(tiny_paths):
     from inference.loader import load_model
 
     return load_model(tiny_paths["gguf"])
+
+
+# --- PostgreSQL (tests/postgres.py): a throwaway database per use, all dropped at the end of the run ---------
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    from tests.postgres import postgres_server_get
+
+    server = postgres_server_get()
+    try:
+        yield server
+    finally:
+        server.drop_all()

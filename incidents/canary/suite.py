@@ -22,7 +22,8 @@ from incidents.canary.result import CheckResult, IncidentSpec
 from incidents.canary.selftest import check_selftest
 from incidents.models import CanaryRun, Incident
 from incidents.services import incident_record
-from kvserve.workers import registry_get
+from inference.metrics import Batch
+from kvserve.workers import metrics_send, registry_get
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,18 @@ def _record(result: CheckResult, run: CanaryRun) -> list[int]:
     return ids
 
 
+def _result_counts(result: CheckResult, batch: Batch) -> None:
+    """kvserve_canary_checks_total: the check as a whole (worker ""), and each worker it covered (the workers
+    or pools its details list) or blamed (its incidents name), failed where blamed."""
+    outcome = lambda ok: "passed" if ok else "failed"  # noqa: E731
+    batch.inc("canary_checks", check=result.name, worker="", result=outcome(result.passed))
+    covered = {w for part in ("workers", "pools") if isinstance(result.details.get(part), dict)
+               for w in result.details[part]}
+    blamed = {spec.worker for spec in result.incidents if spec.worker} if not result.passed else set()
+    for worker in sorted(covered | blamed):
+        batch.inc("canary_checks", check=result.name, worker=worker, result=outcome(worker not in blamed))
+
+
 def canary_run(only=None, skip=None, checks: dict | None = None, check_timeout_s: float | None = None) -> CanaryRun:
     """Runs the selected checks now, each bounded by `check_timeout_s` (KVSERVE_CANARY_CHECK_TIMEOUT_S);
     returns the stored CanaryRun (passed only if every check passed)."""
@@ -115,9 +128,10 @@ def canary_run(only=None, skip=None, checks: dict | None = None, check_timeout_s
     run = CanaryRun.objects.create(started_at=timezone.now(), passed=False, checks=[])
     tag = uuid.uuid4().hex[:8]
     log.info("canary run #%s (%s) starting: %s", run.pk, tag, names)
-    results = []
+    results, counts = [], Batch()
     for name in names:
         result = _run_check(name, table[name], timeout_s)
+        _result_counts(result, counts)
         if not result.passed:
             result.details["incidents"] = _record(result, run)
         results.append(result)
@@ -129,4 +143,5 @@ def canary_run(only=None, skip=None, checks: dict | None = None, check_timeout_s
     run.passed = bool(results) and all(r.passed for r in results)
     run.finished_at = timezone.now()
     run.save(update_fields=["passed", "finished_at"])
+    metrics_send(counts.inc("canary_runs", result="passed" if run.passed else "failed"), f"canary run #{run.pk}")
     return run

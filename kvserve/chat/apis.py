@@ -1,28 +1,32 @@
-"""The OpenAI-compatible chat API: POST /v1/chat/completions (JSON or SSE), GET /v1/models, and a
+"""The OpenAI-compatible API: POST /v1/chat/completions and /v1/completions (JSON or SSE), GET /v1/models, and a
 tenant's own requests at /api/requests/<id> (status, usage, timings, verdicts) and .../stream (SSE replay)."""
 import jinja2
 import redis
 from django.conf import settings
+from django.db import connection
 from drf_spectacular.utils import OpenApiResponse, extend_schema, extend_schema_field, extend_schema_serializer
 from kombu.exceptions import OperationalError as BrokerError
 from rest_framework import serializers
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from kvserve.chat.fields import (MessageContentField, StopField, StrictBooleanField, StrictFloatField,
+from kvserve.chat.fields import (MessageContentField, PromptField, StopField, StrictBooleanField, StrictFloatField,
                                  StrictIntegerField, TextField)
 from kvserve.chat.disconnect import client_gone
 from kvserve.chat.models import ChatRequest
 from kvserve.chat.outputs import completion_chunks, completion_wait, output_stream_exists, sse_response
 from kvserve.chat.parsers import LimitedJSONParser
+from kvserve.chat.shapes import shape_for
 from kvserve.chat.schema import SSE_EVENT_SCHEMA, error_responses
 from kvserve.chat.selectors import chat_request_get_for_tenant, model_get, model_get_by_id, served_window_get
-from kvserve.chat.services import chat_request_create
+from kvserve.chat.services import chat_request_create, tokenizer_get
 from kvserve.chat.throttling import ApiKeyRateThrottle
 from kvserve.errors import ApiError
+from inference.sampling import MAX_TOP_LOGPROBS
 
 SSE = "text/event-stream"
 SEED_RANGE = (-(2**63), 2**63 - 1)
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat's is KVSERVE_DEFAULT_MAX_TOKENS)
 GREEDY_BELOW = 1e-8  # float32 logits: any temperature below this samples the argmax anyway
 MIN_TOP_P = 1e-6  # keeps exactly the top token (its probability is >= 1/vocab > 1e-6), as any smaller top_p
 
@@ -37,6 +41,13 @@ def sampling_params_normalize(data: dict) -> dict:
     if params.get("top_p") is not None and params["top_p"] < MIN_TOP_P:
         params["top_p"] = MIN_TOP_P
     return params
+
+
+def db_connection_release() -> None:
+    """From here on the answer waits on Redis, for seconds or minutes: hand this thread's database connection
+    back now (to the pool, or closed) rather than hold one per waiting client (PostgreSQL's max_connections)."""
+    if not connection.in_atomic_block:  # a caller's transaction (tests) keeps its connection
+        connection.close()
 
 
 class ChatApiBase(APIView):
@@ -80,6 +91,49 @@ class ChoiceCountField(StrictIntegerField):
     pass
 
 
+def validate_one_choice(value, param: str):
+    if value not in (None, 1):
+        raise serializers.ValidationError(f"{param} > 1 is not supported: this server returns one choice.",
+                                          code="unsupported_value")
+    return value
+
+
+@extend_schema_field({"type": "object", "nullable": True, "required": ["type"],
+                      "properties": {"type": {"type": "string", "enum": ["text"]}},
+                      "description": "Only `{\"type\": \"text\"}` (the default); JSON modes are a 400 naming "
+                                     "`response_format`."})
+class ResponseFormatField(serializers.Field):
+    default_error_messages = {"unsupported": "response_format {kind!r} is not supported: only {{\"type\": \"text\"}} "
+                                             "(plain text) is."}
+
+    def to_internal_value(self, data):
+        kind = data.get("type") if isinstance(data, dict) else data
+        if kind != "text":
+            raise serializers.ValidationError(self.error_messages["unsupported"].format(kind=kind),
+                                              code="unsupported_value")
+        return data
+
+    def to_representation(self, value):
+        return value
+
+
+class TopLogprobSerializer(serializers.Serializer):
+    token = serializers.CharField(trim_whitespace=False)
+    logprob = serializers.FloatField()
+    bytes = serializers.ListField(child=serializers.IntegerField(min_value=0, max_value=255))
+
+
+@extend_schema_serializer(component_name="ChatTokenLogprob")
+class TokenLogprobSerializer(TopLogprobSerializer):
+    top_logprobs = TopLogprobSerializer(many=True)
+
+
+@extend_schema_serializer(component_name="ChatLogprobs")
+class ChatLogprobsSerializer(serializers.Serializer):
+    content = TokenLogprobSerializer(many=True)
+    refusal = serializers.JSONField(allow_null=True, required=False)
+
+
 class ChatCompletionsApi(ChatApiBase):
     @extend_schema_serializer(component_name="ChatCompletionRequest")
     class InputSerializer(serializers.Serializer):
@@ -99,6 +153,11 @@ class ChatCompletionsApi(ChatApiBase):
         stream_options = StreamOptionsSerializer(required=False, allow_null=True)
         n = ChoiceCountField(required=False, allow_null=True, min_value=1)
         user = TextField(required=False, allow_null=True, max_length=256, help_text="Accepted and ignored.")
+        logprobs = StrictBooleanField(required=False, allow_null=True, default=False,
+                                      help_text="Return each output token's log-probability (choices[].logprobs).")
+        top_logprobs = StrictIntegerField(required=False, allow_null=True, min_value=0, max_value=MAX_TOP_LOGPROBS,
+                                          help_text="With logprobs: the most likely alternatives per token, 0..20.")
+        response_format = ResponseFormatField(required=False, allow_null=True)
 
         def get_fields(self):
             fields = super().get_fields()
@@ -115,11 +174,13 @@ class ChatCompletionsApi(ChatApiBase):
                 raise serializers.ValidationError("Ensure this value is greater than 0.", code="min_value")
             return value
 
-        def validate_n(self, value):
-            if value not in (None, 1):
-                raise serializers.ValidationError("n > 1 is not supported: this server returns one choice.",
-                                                  code="unsupported_value")
-            return value
+        validate_n = staticmethod(lambda value: validate_one_choice(value, "n"))
+
+        def validate(self, data):
+            if data.get("top_logprobs") is not None and not data.get("logprobs"):
+                raise serializers.ValidationError({"top_logprobs": serializers.ErrorDetail(
+                    "top_logprobs needs logprobs: true.", code="invalid")})
+            return data
 
     @extend_schema_serializer(component_name="ChatCompletion")
     class OutputSerializer(serializers.Serializer):
@@ -133,7 +194,7 @@ class ChatCompletionsApi(ChatApiBase):
             index = serializers.IntegerField()
             message = MessageOutSerializer()
             finish_reason = serializers.ChoiceField(choices=["stop", "length"])
-            logprobs = serializers.JSONField(allow_null=True)
+            logprobs = ChatLogprobsSerializer(allow_null=True)
 
         id = serializers.CharField()
         object = serializers.CharField()
@@ -164,6 +225,8 @@ class ChatCompletionsApi(ChatApiBase):
         model = model_get_by_id(data.get("model"))
         max_tokens = data.get("max_completion_tokens") or data.get("max_tokens") or settings.KVSERVE_DEFAULT_MAX_TOKENS
         params = sampling_params_normalize(data)
+        if data.get("logprobs"):
+            params["logprobs"] = data.get("top_logprobs") or 0
         messages = [{"role": m["role"], "content": m["content"]} for m in data["messages"]]
         stream = bool(data.get("stream"))
         try:
@@ -172,11 +235,119 @@ class ChatCompletionsApi(ChatApiBase):
         except jinja2.TemplateError as exc:
             raise ApiError(f"The model's chat template refused these messages: {exc}", param="messages",
                            code="invalid_messages")
+        db_connection_release()
         if stream:
             include_usage = bool((data.get("stream_options") or {}).get("include_usage"))
             return sse_response(completion_chunks(req, include_usage=include_usage, fingerprint=model["fingerprint"],
-                                                  ends_request=True))
-        answer = completion_wait(req, fingerprint=model["fingerprint"], gone=client_gone(request))
+                                                  ends_request=True, shape=shape_for(params)))
+        answer = completion_wait(req, fingerprint=model["fingerprint"], gone=client_gone(request),
+                                 shape=shape_for(params))
+        return Response(self.OutputSerializer(answer).data)
+
+
+@extend_schema_serializer(component_name="CompletionLogprobs")
+class CompletionLogprobsSerializer(serializers.Serializer):
+    tokens = serializers.ListField(child=serializers.CharField(trim_whitespace=False, allow_blank=True))
+    token_logprobs = serializers.ListField(child=serializers.FloatField())
+    top_logprobs = serializers.ListField(child=serializers.DictField(child=serializers.FloatField()))
+    text_offset = serializers.ListField(child=serializers.IntegerField())
+
+
+class CompletionsApi(ChatApiBase):
+    """The legacy completions endpoint: one prompt, used as given (no chat template). Admission, errors,
+    throttling and tenancy are the chat endpoint's: the same service admits both."""
+
+    @extend_schema_serializer(component_name="CompletionRequest")
+    class InputSerializer(serializers.Serializer):
+        """OpenAI's request body; fields not listed here are ignored."""
+
+        model = TextField(required=False, allow_null=True, max_length=256,
+                          help_text="The served model's id (GET /v1/models); omitted means that model.")
+        max_tokens = StrictIntegerField(required=False, allow_null=True, min_value=1)
+        temperature = StrictFloatField(required=False, allow_null=True, min_value=0, max_value=2,
+                                       help_text="0 (the default) is greedy decoding.")
+        top_p = TopPField(required=False, allow_null=True, max_value=1)
+        seed = StrictIntegerField(required=False, allow_null=True, min_value=SEED_RANGE[0], max_value=SEED_RANGE[1])
+        stop = StopField(required=False, allow_null=True)
+        stream = StrictBooleanField(required=False, allow_null=True, default=False)
+        stream_options = StreamOptionsSerializer(required=False, allow_null=True)
+        n = ChoiceCountField(required=False, allow_null=True, min_value=1)
+        best_of = ChoiceCountField(required=False, allow_null=True, min_value=1)
+        logprobs = StrictIntegerField(required=False, allow_null=True, min_value=0, max_value=5,
+                                      help_text="Return each token's log-probability and this many alternatives.")
+        echo = StrictBooleanField(required=False, allow_null=True, default=False,
+                                  help_text="Only false: echoing the prompt is not supported.")
+        suffix = TextField(required=False, allow_null=True, max_length=0, help_text="Not supported (null or empty).")
+        user = TextField(required=False, allow_null=True, max_length=256, help_text="Accepted and ignored.")
+
+        def get_fields(self):
+            fields = super().get_fields()
+            window = served_window_get()
+            fields["prompt"] = PromptField(vocab_size=tokenizer_get()[0].vocab_size)
+            fields["max_tokens"] = StrictIntegerField(
+                required=False, allow_null=True, min_value=1, max_value=window,
+                help_text=f"Tokens to generate, 1..{window} (default {COMPLETIONS_DEFAULT_MAX_TOKENS}, as "
+                          "OpenAI's); prompt + max tokens must fit the live workers' limit.")
+            return fields
+
+        validate_top_p = ChatCompletionsApi.InputSerializer.validate_top_p
+        validate_n = staticmethod(lambda value: validate_one_choice(value, "n"))
+        validate_best_of = staticmethod(lambda value: validate_one_choice(value, "best_of"))
+
+        def validate_echo(self, value):
+            if value:
+                raise serializers.ValidationError("echo is not supported: the answer holds the completion only.",
+                                                  code="unsupported_value")
+            return value
+
+    @extend_schema_serializer(component_name="TextCompletion")
+    class OutputSerializer(serializers.Serializer):
+        @extend_schema_serializer(component_name="TextCompletionChoice")
+        class ChoiceSerializer(serializers.Serializer):
+            index = serializers.IntegerField()
+            text = serializers.CharField(trim_whitespace=False, allow_blank=True)
+            finish_reason = serializers.ChoiceField(choices=["stop", "length"])
+            logprobs = CompletionLogprobsSerializer(allow_null=True)
+
+        id = serializers.CharField()
+        object = serializers.CharField()
+        created = serializers.IntegerField()
+        model = serializers.CharField()
+        system_fingerprint = serializers.CharField()
+        choices = ChoiceSerializer(many=True)
+        usage = UsageSerializer()
+
+    @extend_schema(
+        operation_id="completions_create",
+        request=InputSerializer,
+        responses={
+            (200, "application/json"): OutputSerializer,
+            (200, SSE): OpenApiResponse(SSE_EVENT_SCHEMA, description="With `stream: true`: text_completion "
+                                        "events (`data: {...}`), a failure as `data: {\"error\": {...}}`, then "
+                                        "`data: [DONE]`."),
+            **error_responses(400, 401, 404, 413, 415, 429, 503),
+        },
+        description="Create a completion of a raw prompt (a string or token ids; no chat template). Admission, "
+                    "errors, throttling and tenancy are those of chat completions.",
+    )
+    def post(self, request):
+        serializer = self.InputSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        data = serializer.validated_data
+        model = model_get_by_id(data.get("model"))
+        params = {**sampling_params_normalize(data), "endpoint": "completions"}
+        if data.get("logprobs") is not None:
+            params["logprobs"] = data["logprobs"]
+        stream = bool(data.get("stream"))
+        req, _ = chat_request_create(api_key=request.auth, prompt=data["prompt"], params=params, stream=stream,
+                                     max_tokens=data.get("max_tokens") or COMPLETIONS_DEFAULT_MAX_TOKENS)
+        db_connection_release()
+        shape = shape_for(params)
+        if stream:
+            include_usage = bool((data.get("stream_options") or {}).get("include_usage"))
+            return sse_response(completion_chunks(req, include_usage=include_usage, fingerprint=model["fingerprint"],
+                                                  ends_request=True, shape=shape))
+        answer = completion_wait(req, fingerprint=model["fingerprint"], gone=client_gone(request), shape=shape)
         return Response(self.OutputSerializer(answer).data)
 
 
@@ -279,4 +450,6 @@ class ChatRequestStreamApi(ChatApiBase):
         req = chat_request_get_for_tenant(tenant=request.auth.tenant, request_id=request_id)
         if req.is_final and not output_stream_exists(req):
             raise ApiError(f"The events of request '{req.id}' have expired.", status_code=410, code="stream_expired")
-        return sse_response(completion_chunks(req, include_usage=True, fingerprint=model_get()["fingerprint"]))
+        db_connection_release()
+        return sse_response(completion_chunks(req, include_usage=True, fingerprint=model_get()["fingerprint"],
+                                              shape=shape_for(req.params)))

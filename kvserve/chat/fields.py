@@ -125,3 +125,46 @@ class StopField(serializers.Field):
 
     def to_representation(self, value):
         return value
+
+
+_TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+
+
+@extend_schema_field({"oneOf": [{"type": "string"}, _TOKEN_IDS,
+                                {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string"}},
+                                {"type": "array", "minItems": 1, "maxItems": 1, "items": _TOKEN_IDS}],
+                      "description": "A string, token ids, or a list of one of them (one prompt per request)."})
+class PromptField(serializers.Field):
+    """/v1/completions' `prompt`: a string or a list of token ids, or a list holding exactly one of those; never
+    chat-templated. Token ids must be ids of the served vocabulary (`vocab_size`)."""
+
+    default_error_messages = {
+        "invalid": "Expected a string, a list of token ids, or a list of one of those.",
+        "many": "One prompt per request: a list of {count} prompts is not supported.",
+        "empty": "A token id list needs at least one id.",
+        "token": "Token id {value!r} at index {index} is not an id of this model's vocabulary (0..{top}).",
+        "surrogates": "Text contains unpaired UTF-16 surrogates.",
+    }
+
+    def __init__(self, *, vocab_size: int, **kwargs):
+        self.vocab_size = vocab_size
+        super().__init__(**kwargs)
+
+    def to_internal_value(self, data):
+        if isinstance(data, list) and data and all(isinstance(x, (str, list)) for x in data):
+            if len(data) != 1:
+                self.fail("many", count=len(data))
+            data = data[0]
+        if isinstance(data, str):
+            return _check_text(self, data)
+        if not isinstance(data, list):
+            self.fail("invalid")
+        if not data:
+            self.fail("empty")
+        for index, value in enumerate(data):
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < self.vocab_size:
+                self.fail("token", value=value, index=index, top=self.vocab_size - 1)
+        return list(data)
+
+    def to_representation(self, value):
+        return value

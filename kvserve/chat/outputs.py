@@ -1,6 +1,6 @@
-"""A request's output events (inference.streams) rendered as OpenAI responses: the whole `chat.completion`
-(sync: waits in the calling thread) and `chat.completion.chunk` server-sent events (async: waits on the
-event loop, so an open stream holds no blocked thread).
+"""A request's output events (inference.streams) rendered as OpenAI responses: the whole answer (sync: waits in
+the calling thread) and server-sent chunks (async: waits on the event loop, so an open stream holds no blocked
+thread), in the shape of the request's endpoint (kvserve/chat/shapes.py: chat.completion, text_completion).
 
 The response that created a request ends it when it stops waiting early: its client disconnected
 (`client_disconnected`), no output came in time (`timeout`) or Redis failed under it
@@ -19,6 +19,7 @@ from django.http import StreamingHttpResponse
 
 from inference.streams import AsyncOutputStream, OutputStream, ReaderStopped, is_final
 from kvserve.chat.models import ChatRequest
+from kvserve.chat.shapes import CHAT
 from kvserve.errors import ApiError, error_body
 from kvserve.workers import outputs_get
 
@@ -80,15 +81,16 @@ def _usage(usage: dict | None, req: ChatRequest) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def completion_wait(req: ChatRequest, *, fingerprint: str = "", gone=None) -> dict:
-    """Blocks until the request finishes; its chat.completion object, or ApiError on failure (never a
-    partial answer). `gone` (a threading.Event) is set when the client disconnects: the request ends."""
+def completion_wait(req: ChatRequest, *, fingerprint: str = "", gone=None, shape=CHAT) -> dict:
+    """Blocks until the request finishes; its answer (a chat.completion by default), or ApiError on failure
+    (never a partial answer). `gone` (a threading.Event) is set when the client disconnects: the request ends."""
     timeout_s = settings.KVSERVE_RESPONSE_TIMEOUT_S
-    text, done = [], None
+    text, done, logprobs = [], None, []
     try:
         for event in _blocking_outputs(timeout_s).read(req.id, timeout_s=timeout_s, stop=gone):
             if event["type"] == "delta":
                 text.append(event.get("text", ""))
+                logprobs.extend(event.get("logprobs") or ())
             elif event["type"] == "done":
                 done = event
             else:
@@ -103,13 +105,10 @@ def completion_wait(req: ChatRequest, *, fingerprint: str = "", gone=None) -> di
     except redis.RedisError as exc:
         _give_up(req, event := _backend_event(exc))
         raise event_error(event)
-    return {
-        "id": req.id, "object": "chat.completion", "created": int(req.created_at.timestamp()), "model": req.model,
-        "system_fingerprint": fingerprint,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
-                     "finish_reason": done.get("finish_reason") or "stop", "logprobs": None}],
-        "usage": _usage(done.get("usage"), req),
-    }
+    base = {"id": req.id, "created": int(req.created_at.timestamp()), "model": req.model,
+            "system_fingerprint": fingerprint}
+    return shape.answer(base, "".join(text), done.get("finish_reason") or "stop", logprobs,
+                        _usage(done.get("usage"), req))
 
 
 def _sse(payload: dict | str) -> bytes:
@@ -118,19 +117,20 @@ def _sse(payload: dict | str) -> bytes:
 
 
 async def completion_chunks(req: ChatRequest, *, include_usage: bool, fingerprint: str = "",
-                            ends_request: bool = False) -> AsyncIterator[bytes]:
-    """The request's events as chat.completion.chunk SSE: a role chunk, content chunks, a chunk with the
-    finish_reason, a usage chunk when asked, then `[DONE]`. A failure is `data: {"error": {...}}` then
-    `[DONE]`. Reads with redis.asyncio on the event loop; its own connection closes with the stream.
+                            ends_request: bool = False, shape=CHAT) -> AsyncIterator[bytes]:
+    """The request's events as SSE chunks (chat.completion.chunk by default): a role chunk (chat), content
+    chunks, a chunk with the finish_reason, a usage chunk when asked, then `[DONE]`. A failure is
+    `data: {"error": {...}}` then `[DONE]`. Reads with redis.asyncio on the event loop; its own connection
+    closes with the stream.
     `ends_request`: this is the response that created the request, and when it stops before the final
     event (client gone, timeout, Redis lost) the request ends too (a replay's reader ends nothing)."""
     timeout_s, keepalive_s = settings.KVSERVE_RESPONSE_TIMEOUT_S, max(1, settings.KVSERVE_SSE_KEEPALIVE_S)
-    base = {"id": req.id, "object": "chat.completion.chunk", "created": int(req.created_at.timestamp()),
+    base = {"id": req.id, "object": shape.chunk_object(), "created": int(req.created_at.timestamp()),
             "model": req.model, "system_fingerprint": fingerprint}
+    sent = 0  # characters of text sent so far (text offsets of legacy logprobs)
 
-    def chunk(delta: dict, finish_reason=None) -> bytes:
-        return _sse({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason,
-                                          "logprobs": None}]})
+    def chunk(choice: dict) -> bytes:
+        return _sse({**base, "choices": [choice]})
 
     def error(event: dict) -> bytes:
         exc = event_error(event)
@@ -144,17 +144,19 @@ async def completion_chunks(req: ChatRequest, *, include_usage: bool, fingerprin
     stream = AsyncOutputStream(client, prefix=settings.KVSERVE_LEDGER_PREFIX)
     ended = False  # the final event (or our own give-up) was reached
     try:
-        yield chunk({"role": "assistant"})
+        for choice in shape.opening():
+            yield chunk(choice)
         try:
             async for event in stream.read(req.id, timeout_s=timeout_s, idle_s=keepalive_s):
                 ended = event is not None and is_final(event)
                 if event is None:
                     yield b": keep-alive\n\n"
                 elif event["type"] == "delta":
-                    if event.get("text"):
-                        yield chunk({"content": event["text"]})
+                    if event.get("text") or event.get("logprobs"):
+                        yield chunk(shape.delta(event.get("text", ""), event.get("logprobs") or [], sent))
+                        sent += len(event.get("text", ""))
                 elif event["type"] == "done":
-                    yield chunk({}, event.get("finish_reason") or "stop")
+                    yield chunk(shape.finish(event.get("finish_reason") or "stop"))
                     if include_usage:
                         yield _sse({**base, "choices": [], "usage": _usage(event.get("usage"), req)})
                 else:

@@ -24,7 +24,8 @@ from inference.ledger import RedisLedger, ledger_key
 from inference.registry import PREFILL
 from inference.sequence import SamplingParams
 from incidents.services import incident_record
-from kvserve.chat.metrics import admission_rejection_count_incr
+from kvserve.chat.metrics import (admission_rejection_count_incr, chat_metrics_decoded, chat_metrics_failed,
+                                  chat_metrics_prefilled, chat_metrics_refused)
 from kvserve.chat.models import ChatRequest
 from kvserve.errors import ApiError
 from kvserve.workers import cancels_get, outputs_get, redis_get, registry_get
@@ -70,53 +71,67 @@ def prompt_hash(prompt: str) -> str:
     return hmac.new(settings.KVSERVE_PROMPT_HASH_KEY.encode(), prompt.encode(), hashlib.sha256).hexdigest()
 
 
-def _context_length_exceeded(limit: int, total: str, prompt: str, max_tokens: int) -> ApiError:
+def _context_length_exceeded(limit: int, total: str, prompt: str, max_tokens: int,
+                             param: str = "messages") -> ApiError:
     admission_rejection_count_incr()
     return ApiError(
         f"This model's maximum context length is {limit} tokens. However, you requested {total} tokens "
-        f"({prompt} in the messages, {max_tokens} in the completion). Please reduce the length "
-        f"of the messages or completion.", param="messages", code="context_length_exceeded")
+        f"({prompt} in the {param}, {max_tokens} in the completion). Please reduce the length "
+        f"of the {param} or completion.", param=param, code="context_length_exceeded")
 
 
 def sampling_params(req: ChatRequest) -> SamplingParams:
     p = req.params
     return SamplingParams(max_tokens=req.max_tokens, temperature=p.get("temperature", 0.0), top_p=p.get("top_p", 1.0),
-                          top_k=p.get("top_k", 0), seed=p.get("seed"), stop=tuple(p.get("stop", ())))
+                          top_k=p.get("top_k", 0), seed=p.get("seed"), stop=tuple(p.get("stop", ())),
+                          logprobs=p.get("logprobs"))
 
 
 # ---- web side --------------------------------------------------------------------------------
 
-def chat_request_create(*, api_key, messages: list[dict], max_tokens: int, params: dict, stream: bool = False
-                        ) -> tuple[ChatRequest, list[int]]:
-    """Admission before reservation: an overlong request raises ApiError(400 context_length_exceeded)
-    before any row is written, any page reserved or any task queued."""
+def chat_request_create(*, api_key, messages: list[dict] | None = None, prompt: str | list[int] | None = None,
+                        max_tokens: int, params: dict, stream: bool = False) -> tuple[ChatRequest, list[int]]:
+    """Admission before reservation, for chat (`messages`, rendered with the model's chat template) and
+    completions (`prompt`: text tokenized as it is, or token ids used as they are): an overlong request raises
+    ApiError(400 context_length_exceeded) before any row is written, any page reserved or any task queued."""
     tokenizer, _, model_name = tokenizer_get()
-    prompt = tokenizer.render_chat(messages)
+    token_ids = None
+    if messages is not None:
+        text, param, id_prefix = tokenizer.render_chat(messages), "messages", "chatcmpl"
+    elif isinstance(prompt, str):
+        text, param, id_prefix = prompt, "prompt", "cmpl"
+    else:  # token ids: used as they are, hashed as their JSON
+        token_ids, text, param, id_prefix = list(prompt), json.dumps(list(prompt)), "prompt", "cmpl"
     limit = registry_get().effective_limit()
     if limit is None:
         admission_rejection_count_incr("no_workers")
         raise ApiError("no live prefill and decode workers are registered; try again shortly",
                        status_code=503, type="service_unavailable", code="no_workers")
-    # Before tokenizing (which costs seconds per MB here): no token covers more than max_token_chars
-    # characters, so a longer prompt than that many limits can never fit, and is never tokenized.
-    per_token = tokenizer.max_token_chars
-    if per_token and len(prompt) > per_token * limit:
-        least = math.ceil(len(prompt) / per_token)
-        raise _context_length_exceeded(limit, f"at least {least + max_tokens}", f"at least {least}: {len(prompt)} "
-                                       f"characters, and no token of this model covers more than {per_token}",
-                                       max_tokens)
-    prompt_ids = _prompt_encode(tokenizer, prompt)
+    if token_ids is None:
+        # Before tokenizing (which costs seconds per MB here): no token covers more than max_token_chars
+        # characters, so a longer prompt than that many limits can never fit, and is never tokenized.
+        per_token = tokenizer.max_token_chars
+        if per_token and len(text) > per_token * limit:
+            least = math.ceil(len(text) / per_token)
+            raise _context_length_exceeded(limit, f"at least {least + max_tokens}", f"at least {least}: {len(text)} "
+                                           f"characters, and no token of this model covers more than {per_token}",
+                                           max_tokens, param)
+        token_ids = _prompt_encode(tokenizer, text)
+    prompt_ids = token_ids
+    if not prompt_ids:
+        raise ApiError("The prompt is empty: it encodes to no tokens.", param=param, code="empty_prompt")
     if len(prompt_ids) + max_tokens > limit:
-        raise _context_length_exceeded(limit, str(len(prompt_ids) + max_tokens), str(len(prompt_ids)), max_tokens)
+        raise _context_length_exceeded(limit, str(len(prompt_ids) + max_tokens), str(len(prompt_ids)), max_tokens,
+                                       param)
     tenant = api_key.tenant
     params = dict(params)
     if params.get("seed") is None:
         params["seed"] = uuid.uuid4().int & (2**63 - 1)  # fixed here so any worker samples the same stream
     req = ChatRequest.objects.create(
-        id=f"chatcmpl-{uuid.uuid4().hex}", tenant=tenant, api_key=api_key, model=model_name, stream=stream,
+        id=f"{id_prefix}-{uuid.uuid4().hex}", tenant=tenant, api_key=api_key, model=model_name, stream=stream,
         params=params, max_tokens=max_tokens, prompt_tokens=len(prompt_ids),
-        prompt_hash=prompt_hash(prompt),
-        prompt_text=json.dumps(messages) if tenant.store_text else None,
+        prompt_hash=prompt_hash(text),
+        prompt_text=json.dumps(messages if messages is not None else prompt) if tenant.store_text else None,
     )
     from kvserve.chat.tasks import prefill
 
@@ -147,6 +162,7 @@ def chat_request_fail(req: ChatRequest, *, code: str, message: str, status: str 
     req.status, req.error_code, req.error_message, req.finished_at = status, code, message, now
     for name, value in fields.items():
         setattr(req, name, value)
+    chat_metrics_failed(req, code)
     try:
         outputs_get().publish(req.id, {"type": "error", "code": code, "message": message})
         cancels_get().request(Cancel(req.id, code, message))
@@ -209,12 +225,15 @@ def chat_request_prefill(request_id: str, prompt_ids: list[int]) -> None:
                                  claim=claim)
     if handoff.verdict is Verdict.ABORTED:
         return  # the row ended or was taken over while prefilling: nothing was sent
+    req.handoff_verdict, req.prefill_finished_at = handoff.verdict.value, timezone.now()
     if handoff.verdict is Verdict.REJECTED:
+        chat_metrics_prefilled(req, handoff.verdict.value)
         return chat_request_fail(req, code="context_length_exceeded", message=handoff.reason, status=Status.REJECTED,
                                  claim=claim, handoff_verdict=handoff.verdict.value)
-    if not mine.update(handoff_verdict=handoff.verdict.value, prefill_finished_at=timezone.now()):
+    if not mine.update(handoff_verdict=handoff.verdict.value, prefill_finished_at=req.prefill_finished_at):
         runtime.transport.discard(req.id)  # ended meanwhile: nobody will decode it
         return
+    chat_metrics_prefilled(req, handoff.verdict.value)
     from kvserve.chat.tasks import decode
 
     decode.delay(req.id, prompt_ids, handoff.to_dict())
@@ -232,9 +251,11 @@ def chat_request_decode(request_id: str, prompt_ids: list[int], handoff: dict) -
         log.info("decode of %s not claimed: already ended or decoding under another delivery", request_id)
         return
     claim = _claim_token(req, "decode_worker", "decode_deliveries")
+    runtime.metrics.arrived(req.id, req.created_at.timestamp())  # its time to first token counts from here
     try:
         seq = runtime.decode(req.id, prompt_ids, sampling_params(req), handoff)
     except HandoffRefused as refused:  # fail closed first; the incident is recorded after, whatever it does
+        chat_metrics_refused(req, refused.kind)
         chat_request_fail(req, code="handoff_refused", message=f"decode refused the handoff: {refused.reason}",
                           claim=claim, decode_verdict=refused.kind[:32])
         return _record_safely(_handoff_incident, runtime, req, refused, handoff)
@@ -249,9 +270,13 @@ def chat_request_decode(request_id: str, prompt_ids: list[int], handoff: dict) -
         log.exception("decode of %s failed", req.id)
         return chat_request_fail(req, code="engine_error", message=f"decode failed: {type(exc).__name__}: {exc}",
                                  claim=claim, decode_verdict="accepted")
-    ChatRequest.objects.filter(id=req.id, **claim).update(status=Status.DONE, finish_reason=seq.finish_reason or "", decode_verdict="accepted",
-                finished_at=timezone.now(), transfer_ms=seq.transfer_ms, completion_tokens=len(seq.output_ids),
-                completion_text=seq.text if req.tenant.store_text else None)
+    finished = timezone.now()
+    if ChatRequest.objects.filter(id=req.id, **claim).update(
+            status=Status.DONE, finish_reason=seq.finish_reason or "", decode_verdict="accepted", finished_at=finished,
+            transfer_ms=seq.transfer_ms, completion_tokens=len(seq.output_ids),
+            completion_text=seq.text if req.tenant.store_text else None):
+        req.finished_at = finished
+        chat_metrics_decoded(req, seq)
 
 
 def _record_safely(record, *args) -> None:

@@ -1,9 +1,11 @@
 """A real kvserve stack for end-to-end tests: Celery prefill and decode worker processes, the ASGI
-web server under uvicorn, a migrated SQLite file, all on this test's own Redis key prefixes."""
+web server under uvicorn, a migrated database (a SQLite file, or DATABASE_URL=... given to Stack, e.g. a
+throwaway PostgreSQL database), all on this test's own Redis key prefixes."""
 import json
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -11,6 +13,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+import psycopg
 import redis
 
 from inference.registry import Registry
@@ -77,17 +80,26 @@ class Stack:
                                  "-n", f"{name}-{self.prefix}@%h", "--loglevel", "INFO", "--without-mingle",
                                  "--without-gossip"], **env)
 
-    def start_web(self) -> None:
+    def start_web(self, **env) -> None:
         self.spawn("web", [sys.executable, "-m", "uvicorn", "kvserve.asgi:application", "--host", "127.0.0.1",
-                           "--port", str(self.port), "--log-level", "warning"])
+                           "--port", str(self.port), "--log-level", "warning"], **env)
 
-    def start(self) -> "Stack":
+    def sql(self, query: str, *params) -> list[tuple]:
+        """Rows of one query on the stack's database, SQLite or PostgreSQL (`?` placeholders)."""
+        url = self.env["DATABASE_URL"]
+        if url.startswith("sqlite:///"):
+            with sqlite3.connect(url.removeprefix("sqlite:///")) as db:
+                return db.execute(query, params).fetchall()
+        with psycopg.connect(url.replace("postgres://", "postgresql://", 1), connect_timeout=10) as db:
+            return db.execute(query.replace("?", "%s"), params).fetchall()
+
+    def start(self, web_env: dict | None = None) -> "Stack":
         self.manage("migrate", "--noinput")
         creds = json.loads(self.manage("bootstrap_demo").strip().splitlines()[-1])
         self.api_key, self.admin_password = creds["api_key"], creds["admin_password"]
         self.start_worker("prefill", queues="prefill,maintenance")
         self.start_worker("decode")
-        self.start_web()
+        self.start_web(**(web_env or {}))
         self.wait_healthy()
         return self
 

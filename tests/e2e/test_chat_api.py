@@ -3,7 +3,6 @@
 match the engine alone; 64 streams at once all finish)."""
 import asyncio
 import json
-import sqlite3
 import time
 import urllib.error
 import urllib.request
@@ -107,10 +106,10 @@ def _ledger_state(stack) -> dict:
     # the throttle's and /metrics' admission-rejection count, which exist to count exactly this
     counters = (f"{prefix}:cache:", f"{prefix}:metrics:")
     keys = {k.decode() for k in r.scan_iter(match=f"{prefix}:*") if not k.decode().startswith(counters)}
-    rows = sqlite3.connect(Path(stack.workdir) / "db.sqlite3").execute("select count(*) from chat_chatrequest")
+    (rows,), = stack.sql("select count(*) from chat_chatrequest")
     return {"pools": pools, "free": {p: (RedisLedger(r, p, prefix=prefix).num_free(),
                                          RedisLedger(r, p, prefix=prefix).num_pages) for p in pools},
-            "broker": broker, "keys": keys, "rows": rows.fetchone()[0]}
+            "broker": broker, "keys": keys, "rows": rows}
 
 
 @pytest.mark.parametrize("case", ["max_tokens", "prompt"])
@@ -246,7 +245,6 @@ def test_no_live_workers_is_503_and_nothing_is_queued(own_stack):
     status, _, raw = http(own_stack, "POST", "/v1/chat/completions", {"messages": QUESTION}, key=key)
     error = json.loads(raw)["error"]
     assert status == 503 and error["code"] == "no_workers" and error["type"] == "service_unavailable"
-    rows = sqlite3.connect(Path(own_stack.workdir) / "db.sqlite3").execute("select count(*) from chat_chatrequest")
-    assert rows.fetchone()[0] == 0
+    assert own_stack.sql("select count(*) from chat_chatrequest") == [(0,)]
     assert not [k for k in own_stack.redis.scan_iter(match=f"{own_stack.prefix}:broker:*")
                 if own_stack.redis.type(k) == b"list" and own_stack.redis.llen(k)]

@@ -188,3 +188,19 @@ def test_a_check_that_hangs_fails_named_and_the_run_is_stored_and_goes_on():
     assert not checks["hangs"]["passed"] and checks["ok"]["passed"]
     (incident,) = Incident.objects.filter(pk__in=checks["hangs"]["details"]["incidents"])
     assert incident.severity == "warning" and "did not finish" in incident.details["reason"]
+
+
+def test_runs_count_per_check_and_worker_in_metrics(registry, registry_redis, registry_prefix):
+    from inference.metrics import families_read
+
+    def per_worker():
+        return CheckResult("contract", True, details={"workers": {"decode-w1": {}, "decode-w2": {}}})
+
+    suite.canary_run(checks={"contract": per_worker, "leaky": leaking_check})
+    raw = families_read(registry_redis, registry_prefix)
+    checks = {tuple(json.loads(k)): int(v) for k, v in raw["canary_checks"].items()}
+    assert checks == {("contract", "", "passed"): 1, ("contract", "decode-w1", "passed"): 1,
+                      ("contract", "decode-w2", "passed"): 1, ("leaky", "", "failed"): 1,
+                      ("leaky", "decode-w9", "failed"): 1}
+    assert {tuple(json.loads(k)): int(v) for k, v in raw["canary_runs"].items()} == {("failed",): 1}
+    assert {tuple(json.loads(k)): int(v) for k, v in raw["incidents"].items()} == {("canary_leak", "critical"): 1}

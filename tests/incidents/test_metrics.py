@@ -1,6 +1,7 @@
-"""/metrics: Prometheus text read from live state (ledger pool counts, DB rows, the Redis rejection counter),
-behind a bearer token when one is set, one rendering per KVSERVE_METRICS_CACHE_S for any number of
-scrapers, and O(1) Redis commands per pool whatever its size (no page scan)."""
+"""/metrics: Prometheus text from live state (ledger pool counts, workers' gauges, indexed DB reads) and the
+deployment's Redis-aggregated counters and histograms, behind a bearer token when one is set, one rendering per
+KVSERVE_METRICS_CACHE_S for any number of scrapers, and O(1) Redis commands per pool whatever its size and
+whatever the traffic was (no page scan, no table scan)."""
 import socket
 import subprocess
 import threading
@@ -16,11 +17,17 @@ from django.contrib.auth.models import User
 
 from incidents.metrics import ScrapeCache, metrics_render, scrape_cache
 from incidents.models import CanaryRun
-from incidents.services import incident_record
-from kvserve.chat.metrics import admission_rejection_count_incr, admission_rejection_counts
-from kvserve.tenants.models import Tenant
+from incidents.services import incident_record, incident_resolve
+from inference.engine import Engine, EngineConfig
+from inference.metrics import FAMILIES, WorkerMetrics
 from inference.registry import Registry
+from inference.sequence import SamplingParams, Sequence, SeqStatus
+from kvserve.chat.metrics import (admission_rejection_count_incr, admission_rejection_counts, chat_metrics_decoded,
+                                  chat_metrics_prefilled, chat_metrics_refused)
+from kvserve.tenants.models import Tenant
 from tests.incidents.helpers import chat_request, live_worker
+
+MODEL = "SmolLM2-135M-Instruct"  # the served model's name: the model_name label
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("registry_settings")]
 
@@ -40,50 +47,98 @@ def scrape(client, **headers) -> dict:
     return samples
 
 
-def test_metrics_read_live_state(client, registry, make_worker):
+def _row(tenant, **fields):
+    now = timezone.now()
+    return chat_request(tenant, model=MODEL, prompt_tokens=40, **fields, **{
+        k: now + timedelta(seconds=s) for k, s in (("prefill_started_at", 0.3), ("prefill_finished_at", 0.5),
+                                                   ("decode_started_at", 0.6), ("finished_at", 2.1))})
+
+
+def test_metrics_read_live_state(client, registry, make_worker, tiny_model, django_capture_on_commit_callbacks):
     tenant = Tenant.objects.create(name="acme")
     decode = live_worker(registry, make_worker, "decode", worker_id="decode-1", num_pages=10)
     live_worker(registry, make_worker, "prefill", worker_id="prefill-1", num_pages=512)
-    now = timezone.now()
-    done = chat_request(tenant, status="done", completion_tokens=90, finished_at=now - timedelta(seconds=5),
-                        handoff_verdict="OK", decode_verdict="ok")
-    chat_request(tenant, status="done", completion_tokens=30, finished_at=now - timedelta(seconds=30),
-                 handoff_verdict="OK", decode_verdict="ok")
-    chat_request(tenant, status="done", completion_tokens=999, finished_at=now - timedelta(seconds=600))
-    chat_request(tenant, status="rejected", handoff_verdict="REJECTED")
-    chat_request(tenant, status="failed", handoff_verdict="OK", decode_verdict="handoff_mismatch")
-    decode.allocate(done.id, 3)
+    decode.allocate("r1", 3)
+    for status in ("queued", "queued", "decoding", "done", "failed"):
+        chat_request(tenant, status=status)
+    done = _row(tenant, status="done")
+    done.created_at = done.prefill_started_at - timedelta(seconds=0.3)
+    chat_metrics_prefilled(done, "OK")
+    seq = Sequence(done.id, [1, 2, 3], SamplingParams(max_tokens=4))
+    seq.status, seq.finish_reason, seq.transfer_ms = SeqStatus.FINISHED, "length", 4.0
+    chat_metrics_decoded(done, seq)
+    chat_metrics_prefilled(_row(tenant, status="rejected"), "REJECTED")
+    chat_metrics_refused(_row(tenant, status="failed"), "handoff_forged")
     admission_rejection_count_incr()
     admission_rejection_count_incr()
     incident_record(kind="foreign_read", severity="critical", detected_by="t")
     incident_record(kind="lease_expired", severity="warning", detected_by="t")
-    incident_record(kind="lease_expired", severity="warning", detected_by="t")
+    resolved = incident_record(kind="lease_expired", severity="warning", detected_by="t")
+    with django_capture_on_commit_callbacks(execute=True):  # counted once the resolution commits
+        incident_resolve(incident=resolved, by_user=None)
+    now = timezone.now()
     CanaryRun.objects.create(started_at=now - timedelta(minutes=5), passed=True, checks=[])
     CanaryRun.objects.create(started_at=now, passed=False, checks=[
         {"name": "marker_scan", "passed": True, "duration_s": 0.5, "details": {}},
         {"name": "self_test", "passed": False, "duration_s": 2.0, "details": {"why": "no incident"}}])
+    # a worker's gauges, from a real engine holding pages for one of the tenant's requests
+    engine = Engine(tiny_model, EngineConfig(num_pages=32, page_size=16))
+    held = chat_request(tenant, status="decoding")
+    engine.add_request(held.id, list(range(1, 40)), SamplingParams(max_tokens=8))
+    engine.add_request("canary-probe", list(range(1, 10)), SamplingParams(max_tokens=8))
+    engine.step()
+    WorkerMetrics(registry.redis, registry.prefix, role="decode", model_name=MODEL, worker_id="decode-1",
+                  gauges_ttl_s=15).flush(engine, waiting=2)
 
     m = scrape(client)
     assert m[("kvserve_redis_up", ())] == 1 and m[("kvserve_database_up", ())] == 1
     assert m[("kvserve_pool_pages", (("pool", "decode-1"), ("role", "decode"), ("state", "used")))] == 3
     assert m[("kvserve_pool_pages", (("pool", "decode-1"), ("role", "decode"), ("state", "free")))] == 7
     assert m[("kvserve_pool_pages", (("pool", "prefill-1"), ("role", "prefill"), ("state", "free")))] == 512
+    assert m[("kvserve_kv_cache_usage_perc", (("model_name", MODEL), ("pool", "decode-1"), ("role", "decode")))] == 0.3
     assert m[("kvserve_worker_capacity_tokens", (("role", "decode"), ("worker", "decode-1")))] == 8192
     assert m[("kvserve_effective_context_limit_tokens", ())] == 8192
-    assert m[("kvserve_chat_requests", (("status", "done"),))] == 3
-    assert m[("kvserve_chat_requests", (("status", "queued"),))] == 0
+    assert m[("kvserve_requests_in_flight", (("status", "queued"),))] == 2
+    assert m[("kvserve_requests_in_flight", (("status", "decoding"),))] == 2
+    assert m[("kvserve_requests_in_flight", (("status", "prefilling"),))] == 0
+    worker = (("model_name", MODEL), ("role", "decode"), ("worker", "decode-1"))
+    assert m[("kvserve_num_requests_running", worker)] == 2 and m[("kvserve_num_requests_waiting", worker)] == 2
+    pages = {dict(k[1])["tenant"]: v for k, v in m.items() if k[0] == "kvserve_kv_pages_held"}
+    assert pages == {str(tenant.id): 3, "none": 2}  # (39 + 8, 9 + 8 tokens in pages of 16) by tenant id, not name
+    assert b"acme" not in client.get("/metrics").content
     assert m[("kvserve_admission_rejections_total", (("reason", "context_length_exceeded"),))] == 2
-    assert m[("kvserve_handoff_verdicts", (("verdict", "OK"),))] == 3
-    assert m[("kvserve_handoff_verdicts", (("verdict", "REJECTED"),))] == 1
-    assert m[("kvserve_decode_verdicts", (("verdict", "handoff_mismatch"),))] == 1
-    assert m[("kvserve_incidents", (("kind", "lease_expired"), ("severity", "warning")))] == 2
-    assert m[("kvserve_incidents_open", ())] == 3
-    assert m[("kvserve_canary_runs", (("result", "passed"),))] == 1
-    assert m[("kvserve_canary_runs", (("result", "failed"),))] == 1
+    assert m[("kvserve_prompt_tokens_total", (("model_name", MODEL),))] == 40
+    assert m[("kvserve_handoff_verdicts_total", (("model_name", MODEL), ("verdict", "OK")))] == 1
+    assert m[("kvserve_handoff_verdicts_total", (("model_name", MODEL), ("verdict", "REJECTED")))] == 1
+    assert m[("kvserve_decode_verdicts_total", (("model_name", MODEL), ("verdict", "accepted")))] == 1
+    assert m[("kvserve_decode_verdicts_total", (("model_name", MODEL), ("verdict", "handoff_forged")))] == 1
+    assert m[("kvserve_request_success_total", (("finished_reason", "length"), ("model_name", MODEL)))] == 1
+    hist = {name: histogram(m, name) for name in ("request_queue_time_seconds", "request_prefill_time_seconds",
+                                                  "request_decode_time_seconds", "e2e_request_latency_seconds",
+                                                  "kv_transfer_time_seconds")}
+    assert {name: (h["count"], round(h["sum"], 3)) for name, h in hist.items()} == {
+        "request_queue_time_seconds": (1, 0.3), "request_prefill_time_seconds": (1, 0.2),
+        "request_decode_time_seconds": (1, 1.5), "e2e_request_latency_seconds": (1, 2.1),
+        "kv_transfer_time_seconds": (1, 0.004)}
+    assert hist["request_queue_time_seconds"]["buckets"]["0.25"] == 0
+    assert hist["request_queue_time_seconds"]["buckets"]["0.5"] == 1
+    assert hist["request_queue_time_seconds"]["buckets"]["+Inf"] == 1
+    assert histogram(m, "time_to_first_token_seconds")["count"] == 0  # shown, at zero, before any traffic
+    assert m[("kvserve_incidents_total", (("kind", "lease_expired"), ("severity", "warning")))] == 2
+    assert m[("kvserve_incidents_resolved_total", (("kind", "lease_expired"), ("severity", "warning")))] == 1
+    assert m[("kvserve_incidents_open", ())] == 2
     assert m[("kvserve_canary_check_passed", (("check", "self_test"),))] == 0
     assert m[("kvserve_canary_check_duration_seconds", (("check", "marker_scan"),))] == 0.5
     assert m[("kvserve_canary_last_run_passed", ())] == 0
-    assert m[("kvserve_decode_tokens_per_second", ())] == pytest.approx(120 / 60)
+
+
+def histogram(m: dict, name: str) -> dict:
+    """count, sum and cumulative buckets (by `le`) of a histogram with one label set."""
+    series = {k: v for k, v in m.items() if k[0].startswith(f"kvserve_{name}_")}
+    buckets = {dict(k[1])["le"]: v for k, v in series.items() if k[0].endswith("_bucket")}
+    (count,) = [v for k, v in series.items() if k[0].endswith("_count")]
+    (total,) = [v for k, v in series.items() if k[0].endswith("_sum")]
+    return {"count": count, "sum": total, "buckets": buckets}
 
 
 def test_metrics_follow_state_between_scrapes(client, registry, make_worker):
@@ -99,8 +154,8 @@ def test_metrics_without_redis_still_report_the_database(client, settings):
     settings.REDIS_URL = "redis://127.0.0.1:1/15"
     m = scrape(client)
     assert m[("kvserve_redis_up", ())] == 0
-    assert ("kvserve_chat_requests", (("status", "done"),)) in m
-    assert not [k for k in m if k[0] == "kvserve_pool_pages"]
+    assert ("kvserve_requests_in_flight", (("status", "queued"),)) in m
+    assert not [k for k in m if k[0] in ("kvserve_pool_pages", "kvserve_prompt_tokens_total")]
 
 
 def test_admission_rejection_counter_never_raises(settings):
@@ -215,7 +270,8 @@ def test_a_scrape_costs_a_few_commands_per_pool_whatever_its_size(client, settin
     stats = r.info("commandstats")
     calls = {name.removeprefix("cmdstat_"): v["calls"] for name, v in stats.items()}
     assert not {"eval", "evalsha", "lrange", "lpos", "zrange"} & calls.keys(), calls  # no script, no page read
-    assert calls.get("hgetall") == 1, calls  # the admission-rejection counters; never a pool's hash
+    assert calls.get("hgetall") == len(FAMILIES), calls  # one per aggregated family; never a pool's hash
     per_pool = sum(calls.get(c, 0) for c in ("hmget", "llen", "scard", "hlen"))
-    assert per_pool == 4 * 2, calls  # four counts per pool, in one MULTI
-    assert sum(calls.values()) <= 40, calls  # and none of them grows with the pool
+    assert per_pool == 4 * 2 + 3, calls  # four counts per pool in one MULTI, and the three broker queues
+    assert calls.get("mget", 0) == 3, calls  # the registry's infos (workers, effective limit), the workers' gauges
+    assert sum(calls.values()) <= 70, calls  # and none of them grows with the pool

@@ -1,0 +1,72 @@
+"""Token log-probabilities as OpenAI returns them. Workers send, per generated token, `[token id, logprob,
+[[id, logprob], ...]]` on the output events (inference.worker.delta_event); here they become the chat shape
+(`choices[].logprobs.content[]` of {token, logprob, bytes, top_logprobs}) or the legacy completions shape
+(`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`). The end-of-sequence token is not part of the
+text, so it is not listed."""
+from functools import lru_cache
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte (the inverse of the table byte-level BPE vocabularies use)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+class TokenText:
+    """The served tokenizer's view of single tokens: their raw bytes and their text."""
+
+    def __init__(self, chat_tokenizer):
+        self.tk = chat_tokenizer.tokenizer
+        self.eos_ids = set(chat_tokenizer.eos_ids)
+        self._bytes: dict[int, bytes] = {}
+
+    def bytes_of(self, token_id: int) -> bytes:
+        """A token's own bytes (a byte-level token may be part of a UTF-8 character); a special token's name."""
+        if token_id not in self._bytes:
+            piece = self.tk.id_to_token(int(token_id)) or ""
+            table = _byte_decoder()
+            if piece and all(ch in table for ch in piece) and self.tk.token_to_id(piece) == token_id \
+                    and not self.tk.get_added_tokens_decoder().get(token_id):
+                raw = bytes(table[ch] for ch in piece)
+            else:
+                raw = (self.tk.decode([int(token_id)], skip_special_tokens=False) or piece).encode()
+            self._bytes[token_id] = raw
+        return self._bytes[token_id]
+
+    def text_of(self, token_id: int) -> str:
+        return self.bytes_of(token_id).decode("utf-8", errors="replace")
+
+
+def _entries(events_logprobs: list, text: TokenText) -> list:
+    return [e for e in events_logprobs if int(e[0]) not in text.eos_ids]
+
+
+def chat_logprobs(entries: list, text: TokenText, top: int) -> dict:
+    """{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
+    def item(token_id, logprob):
+        raw = text.bytes_of(token_id)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": float(logprob), "bytes": list(raw)}
+
+    return {"content": [{**item(tid, lp), "top_logprobs": [item(i, x) for i, x in alts[:top]]}
+                        for tid, lp, alts in _entries(entries, text)], "refusal": None}
+
+
+def completion_logprobs(entries: list, text: TokenText, top: int, offset: int = 0) -> dict:
+    """{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}; offsets are characters
+    into the completion text, counted from `offset`."""
+    tokens, lps, tops, offsets = [], [], [], []
+    for tid, lp, alts in _entries(entries, text):
+        s = text.text_of(tid)
+        tokens.append(s)
+        lps.append(float(lp))
+        tops.append({text.text_of(i): float(x) for i, x in alts[:top]})
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}

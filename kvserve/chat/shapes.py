@@ -1,0 +1,82 @@
+"""What an answer looks like for each OpenAI endpoint: `chat.completion` (+ `.chunk`) for /v1/chat/completions,
+`text_completion` for /v1/completions. kvserve/chat/outputs.py reads a request's events once, the same way for
+both, and asks its shape to render them."""
+from dataclasses import dataclass
+
+from kvserve.chat.logprobs import TokenText, chat_logprobs, completion_logprobs
+
+
+def _token_text() -> TokenText:
+    from kvserve.chat.services import tokenizer_get
+
+    return _TEXT.setdefault("served", TokenText(tokenizer_get()[0]))
+
+
+_TEXT: dict[str, TokenText] = {}
+
+
+@dataclass(frozen=True)
+class ChatShape:
+    logprobs: bool = False
+    top_logprobs: int = 0
+    object: str = "chat.completion"
+
+    def _logprobs(self, entries):
+        return chat_logprobs(entries, _token_text(), self.top_logprobs) if self.logprobs else None
+
+    def answer(self, base: dict, text: str, finish_reason: str, entries: list, usage: dict) -> dict:
+        return {**base, "object": self.object, "choices": [{
+            "index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
+            "logprobs": self._logprobs(entries)}], "usage": usage}
+
+    def chunk_object(self) -> str:
+        return f"{self.object}.chunk"
+
+    def opening(self) -> list[dict]:
+        return [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None, "logprobs": None}]
+
+    def delta(self, text: str, entries: list, offset: int) -> dict:
+        return {"index": 0, "delta": {"content": text}, "finish_reason": None,
+                "logprobs": self._logprobs(entries) if entries else None}
+
+    def finish(self, finish_reason: str) -> dict:
+        return {"index": 0, "delta": {}, "finish_reason": finish_reason, "logprobs": None}
+
+
+@dataclass(frozen=True)
+class TextShape:
+    logprobs: int | None = None  # the legacy `logprobs`: alternatives per token, None for none
+    object: str = "text_completion"
+
+    def _logprobs(self, entries, offset: int = 0):
+        if self.logprobs is None:
+            return None
+        return completion_logprobs(entries, _token_text(), self.logprobs, offset)
+
+    def answer(self, base: dict, text: str, finish_reason: str, entries: list, usage: dict) -> dict:
+        return {**base, "object": self.object, "choices": [{
+            "index": 0, "text": text, "finish_reason": finish_reason, "logprobs": self._logprobs(entries)}],
+            "usage": usage}
+
+    def chunk_object(self) -> str:
+        return self.object
+
+    def opening(self) -> list[dict]:
+        return []
+
+    def delta(self, text: str, entries: list, offset: int) -> dict:
+        return {"index": 0, "text": text, "finish_reason": None,
+                "logprobs": self._logprobs(entries, offset) if entries else None}
+
+    def finish(self, finish_reason: str) -> dict:
+        return {"index": 0, "text": "", "finish_reason": finish_reason, "logprobs": None}
+
+
+CHAT = ChatShape()
+
+
+def shape_for(params: dict):
+    """The shape a stored request was asked in (its params record the endpoint and logprobs choices)."""
+    if params.get("endpoint") == "completions":
+        return TextShape(logprobs=params.get("logprobs"))
+    return ChatShape(logprobs=params.get("logprobs") is not None, top_logprobs=params.get("logprobs") or 0)
