@@ -161,43 +161,61 @@ def native_paged_attention(q, k, v, kv, layer, batch):
     return out
 
 
+_XFORMERS_PAGED = {}  # dtype -> whether xformers has a paged kernel for this device, page size and dtype
+
+
 def xformers_paged_attention(q, k, v, kv, layer, batch):  # CUDA only; same semantics as the reference
     """One memory_efficient_attention call per step over every sequence (the runner puts fresh chunks
-    in `paged` too on this backend). fp16/bf16: a paged bias over the pool itself; the pool viewed
-    as one token axis [(pages * layers * 2) * page_size, KVH, D] makes (page, layer, K|V) an
-    xformers page, so no copy is made. fp32 (no paged kernel): one gather per layer into padded
-    rows and a block-diagonal causal bias with per-sequence offsets."""
+    in `paged` too on this backend). fp16/bf16: a paged bias over the pool itself (the pool viewed as
+    one token axis [(pages * layers * 2) * page_size, KVH, D] makes (page, layer, K|V) an xformers
+    page, so nothing is copied). fp32, or when no paged kernel takes this page size: one gather per
+    layer into padded rows and a block-diagonal causal bias with per-sequence offsets."""
     from xformers.ops import fmha
 
+    if _XFORMERS_PAGED.get(q.dtype, q.dtype in (torch.float16, torch.bfloat16)):
+        try:
+            out = _xformers_call(fmha, q, kv, layer, batch, paged=True)
+            _XFORMERS_PAGED[q.dtype] = True
+            return out
+        except (NotImplementedError, ValueError) as exc:
+            log.warning("xformers has no paged kernel for %s, page size %d (%s): gathering pages instead",
+                        q.dtype, batch.page_size, str(exc).splitlines()[0])
+            _XFORMERS_PAGED[q.dtype] = False
+    return _xformers_call(fmha, q, kv, layer, batch, paged=False)
+
+
+def _xformers_call(fmha, q, kv, layer, batch, paged: bool):
+    qx, keys, values, bias = xformers_inputs(fmha, q, kv, layer, batch, paged)
+    return fmha.memory_efficient_attention_forward(qx, keys, values, attn_bias=bias).reshape(q.shape)
+
+
+def xformers_inputs(fmha, q, kv, layer, batch, paged: bool):
+    """q as [1, T, KVH, G, D], K and V as [1, keys, KVH, G (expanded), D], and the bias."""
     sb, ps = batch.paged, batch.page_size
     t, h, d = q.shape
     kvh = kv.num_kv_heads
     g = h // kvh
-    qx = q.view(1, t, kvh, g, d)
-    paged = q.dtype in (torch.float16, torch.bfloat16)
     key = ("xformers_bias", paged)
     if key not in batch.cache:
-        width = sb.tables.shape[1]
         if paged:
             batch.cache[key] = fmha.attn_bias.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens(
                 q_seqlen=sb.qlens, kv_seqlen=sb.lens, block_tables=sb.tables, page_size=ps, device=q.device)
         else:
             batch.cache[key] = fmha.attn_bias.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens(
-                q_seqlen=sb.qlens, kv_padding=width * ps, kv_seqlen=sb.lens, device=q.device)
+                q_seqlen=sb.qlens, kv_padding=sb.tables.shape[1] * ps, kv_seqlen=sb.lens, device=q.device)
     bias = batch.cache[key]
     if paged:
-        num_layers = kv.data.shape[1]
         flat = kv.data.view(-1, kvh, d)  # token axis over (page, layer, K|V, offset)
-        tables = sb.tables * (num_layers * 2) + layer * 2  # xformers page of (page, layer, K)
+        tables = sb.tables * (kv.data.shape[1] * 2) + layer * 2  # the xformers page holding (page, layer, K)
         bias = fmha.attn_bias.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask(
             q_seqinfo=bias.q_seqinfo, k_seqinfo=bias.k_seqinfo, block_tables=tables, page_size=ps)
-        keys = flat[:-ps].unsqueeze(0).unsqueeze(3).expand(-1, -1, -1, g, -1)
-        values = flat[ps:].unsqueeze(0).unsqueeze(3).expand(-1, -1, -1, g, -1)  # page e of this view is V
+        keys = flat[:-ps].view(1, -1, kvh, 1, d).expand(-1, -1, -1, g, -1)
+        values = flat[ps:].view(1, -1, kvh, 1, d).expand(-1, -1, -1, g, -1)  # page e of this view is V
     else:
         tables = sb.tables.long()
         keys = kv.data[tables, layer, 0].reshape(1, -1, kvh, 1, d).expand(-1, -1, -1, g, -1)
         values = kv.data[tables, layer, 1].reshape(1, -1, kvh, 1, d).expand(-1, -1, -1, g, -1)
-    return fmha.memory_efficient_attention_forward(qx, keys, values, attn_bias=bias).view(t, h, d)
+    return q.view(1, t, kvh, g, d), keys, values, bias
 
 
 def select_backend(device: torch.device, dtype: torch.dtype = torch.float32) -> str:

@@ -133,6 +133,29 @@ def test_native_and_sdpa_engines_generate_the_same_tokens(tiny_model):
     assert out["native"] == out["sdpa"]
 
 
+@pytest.mark.parametrize("paged", [True, False])
+@pytest.mark.parametrize("h,kvh,d", [(9, 3, 64), (4, 4, 32), (8, 1, 16)])
+def test_xformers_inputs_select_exactly_the_keys_the_reference_attends(h, kvh, d, paged):
+    """The CUDA path's inputs, checked on the CPU: its bias materialized densely over its K/V views
+    (the pool itself for the paged variant) gives the reference's attention."""
+    fmha = pytest.importorskip("xformers.ops").fmha
+    pool, batch, q, k, v = random_case(h, kvh, d, seed=1)
+    pool.data = pool.data.nan_to_num(0.0)
+    batch.fresh = []  # on CUDA the runner puts every chunk in `paged`; here only the pool-reading ones
+    sb = batch.paged
+    rows = torch.cat([torch.arange(s, s + n) for s, n in zip(sb.starts, sb.qlens)])
+    ref = BACKENDS["sdpa"](q, k, v, pool, 1, batch)[rows]
+    packed = AttentionBatch(batch.slot_pages, batch.slot_offsets, page_size=batch.page_size,
+                            paged=SeqBatch(sb.tables, sb.context_lens, sb.query_start, sb.query_len, sb.lens,
+                                           [int(x) for x in torch.tensor([0] + sb.qlens[:-1]).cumsum(0)], sb.qlens))
+    qx, keys, values, bias = attention.xformers_inputs(fmha, q[rows], pool, 1, packed, paged)
+    mask = bias.materialize((len(rows), len(sb) * sb.tables.shape[1] * batch.page_size))
+    keys, values = keys[0, : mask.shape[-1]], values[0, : mask.shape[-1]]  # [keys, KVH, G, D]
+    scores = torch.einsum("qkgd,skgd->kgqs", qx[0], keys) / d ** 0.5 + mask
+    out = torch.einsum("kgqs,skgd->qkgd", scores.softmax(-1), values).reshape(len(rows), h, d)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=2e-5)
+
+
 def _greedy(n):
     from inference.sequence import SamplingParams
 
