@@ -87,12 +87,16 @@ KVS_INLINE void attend_item(const float* q, float* out, const float* pool, const
     const int64_t base = pass == 0 ? 0 : v_offset;
     for (int64_t pi = 0; pi < num_pages; ++pi) {
       const float* page = pool + static_cast<int64_t>(table[pi]) * page_stride + base;
-      if (pi + 1 < num_pages) {
-        const char* next = reinterpret_cast<const char*>(pool + static_cast<int64_t>(table[pi + 1]) * page_stride + base);
-        for (int64_t line = 0; line < 16; ++line) __builtin_prefetch(next + 64 * line);
-      }
+      // the next page's rows, one row ahead of their use: pages are scattered, so the hardware
+      // prefetcher cannot see the jump from one to the next
+      const char* next = pi + 1 < num_pages
+          ? reinterpret_cast<const char*>(pool + static_cast<int64_t>(table[pi + 1]) * page_stride + base) : nullptr;
+      const int64_t row_bytes = row_len * static_cast<int64_t>(sizeof(float));
       const int64_t t0 = pi * ps, m = std::min(ps, n - t0);
       for (int64_t o = 0; o < m; ++o) {
+        if (next) {
+          for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(next + o * row_bytes + b);
+        }
         const float* rowp = page + o * row_len;
         for (int64_t kvh = 0; kvh < KVH; ++kvh) {
           const float* x = rowp + kvh * D;
