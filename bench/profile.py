@@ -14,7 +14,9 @@ Buckets (self CPU time of the ops on the engine thread, summed over the profiled
   other_ops  every other aten op (RMSNorm, RoPE, SiLU, adds, embedding, sampling, tensor building)
   host       step wall time minus all of the above: Python, the scheduler, the guard, detokenization
 
-Ends with one JSON line: ms per step and the fraction of each bucket.
+Ends with one JSON line: ms per step and the fraction of each bucket, plus the process CPU time of
+an unprofiled step (`step_cpu_ms_median`): with --threads 1 on a shared machine it is the figure
+that other processes' load does not inflate (wall time does).
 """
 import argparse
 import time
@@ -51,11 +53,12 @@ def profile_steps(engine, prompts, steps: int) -> dict:
         engine.step()
     for _ in range(2):  # warm
         engine.step()
-    plain = []
+    plain, cpu = [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         engine.step()
         plain.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
@@ -74,7 +77,9 @@ def profile_steps(engine, prompts, steps: int) -> dict:
     total = sum(spent.values())
     top = sorted(ops.items(), key=lambda kv: -kv[1])[:12]
     plain.sort()
+    cpu.sort()
     return dict(step_ms_profiled=wall / steps * 1e3, step_ms_median=plain[len(plain) // 2] * 1e3,
+                step_cpu_ms_median=cpu[len(cpu) // 2] * 1e3,
                 **{f"fraction_{b}": spent[b] / total for b in BUCKETS},
                 **{f"ms_{b}": spent[b] / steps * 1e3 for b in BUCKETS},
                 top_ops_ms={k: round(v / steps * 1e3, 2) for k, v in top})
