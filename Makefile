@@ -4,10 +4,17 @@ VENV := .venv
 PY := $(VENV)/bin/python
 REQ_HASH := $(shell cat requirements.txt requirements-model.txt | sha256sum | cut -c1-12)
 STAMP := $(VENV)/.installed-$(REQ_HASH)
+# the CPU paged-attention kernel (C++, built against the installed torch; ~15-60 s on 2 cores)
+NATIVE_STAMP := inference/native/build/.built
+NATIVE_SRC := inference/native/paged_attention.cpp inference/native/__init__.py
 
 .PHONY: install run test bench redis postgres
 
-install: $(STAMP)
+install: $(STAMP) $(NATIVE_STAMP)
+
+$(NATIVE_STAMP): $(NATIVE_SRC) $(STAMP)
+	$(PY) -m inference.native
+	@touch $@
 
 $(STAMP): requirements.txt requirements-model.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -11,9 +11,9 @@ import statistics
 import sys
 import time
 
-import torch
+from inference.threads import torch_threads_apply
 
-torch.set_num_threads(os.cpu_count() or 1)
+torch_threads_apply()  # every core unless KVSERVE_TORCH_THREADS says otherwise (--threads overrides)
 
 
 def median(xs) -> float:

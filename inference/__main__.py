@@ -4,6 +4,8 @@ import logging
 import sys
 
 from inference.engine import Engine
+from inference.kv_cache import cdiv
+from inference.threads import torch_threads_apply
 from inference.sequence import SamplingParams
 
 
@@ -15,7 +17,8 @@ def main(argv=None) -> int:
     chat.add_argument("--max-tokens", type=int, default=256)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    engine = Engine.from_env(num_pages=max(64, -(-(args.max_tokens + 2048) // 16)))
+    torch_threads_apply()
+    engine = Engine.from_env(num_pages=max(64, cdiv(args.max_tokens + 2048, 16)))
     ids = engine.tokenizer.encode_chat([{"role": "user", "content": args.message}])
     (seq,) = engine.generate([ids], SamplingParams(max_tokens=args.max_tokens))
     print(seq.text)

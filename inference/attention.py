@@ -1,60 +1,85 @@
-"""Attention over a paged KV pool: torch SDPA over gathered pages (CPU and CUDA), xformers on CUDA.
+"""Attention over a paged KV pool. Backends: `native` (CPU default: a C++ kernel that reads K/V from
+the pool's pages in place), `sdpa` (the reference: torch SDPA over gathered pages, any device) and
+`xformers` (CUDA: one memory-efficient-attention call per step over all sequences' block tables).
 
-`AttentionBatch` is built once per step by the model runner; decode rows are attended in one
-padded batched call, prefill chunks one sequence at a time. Padding points at the pool's null
-page (always zeros, never allocated), so a padded read never touches another request's page.
+`AttentionBatch` is built once per step by `inference.runner`. Every sequence in the step is one
+entry of `seqs`: its query rows, its context length and its block table. A chunk that starts its
+prompt (`fresh`) needs only this step's own K/V; every other one (decode rows, chunks continuing a
+cached prefix) reads the pool. Table padding points at the pool's null page (always zeros, never
+allocated), so a padded read never touches another request's page.
 """
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from inference.kv_cache import cdiv
+
 log = logging.getLogger(__name__)
+
+BACKEND_NAMES = ("native", "sdpa", "xformers")
+
+
+@dataclass
+class SeqBatch:
+    """Sequences attended over the pool, in flat-batch row order (int32 tensors on the pool's device)."""
+    tables: torch.Tensor  # [S, P] page ids, null page beyond each sequence's context
+    context_lens: torch.Tensor  # [S] tokens attended over, this step's included
+    query_start: torch.Tensor  # [S] first row of the sequence's queries in the flat batch
+    query_len: torch.Tensor  # [S] query rows (1 for a decode row)
+    lens: list[int]  # host copies of context_lens / query_start / query_len
+    starts: list[int]
+    qlens: list[int]
+
+    def __len__(self) -> int:
+        return len(self.lens)
 
 
 @dataclass
 class PrefillSlice:
-    row_start: int  # first row of this chunk in the flat batch
-    num_rows: int  # tokens in this chunk
-    table: torch.Tensor  # [num_pages] page ids holding the sequence so far
-    context_len: int  # tokens to attend over, this chunk included
-
-
-@dataclass
-class DecodeGroup:
-    """Decode rows of similar length, attended in one padded call."""
-    rows: torch.Tensor  # [B] rows holding one decode token each
-    tables: torch.Tensor  # [B, P] page ids, padded with the null page
-    mask: torch.Tensor  # [B, 1, 1, P * page_size] True where a key is valid
-    bias: torch.Tensor | None = None  # the same mask as an additive float mask (0 / -inf), built once per
-    # step: SDPA would otherwise convert the bool mask again in every layer
+    """A chunk that starts its prompt: attends causally over this step's own K/V only."""
+    row_start: int
+    num_rows: int
 
 
 @dataclass
 class AttentionBatch:
     slot_pages: torch.Tensor  # [T] page id each new token's K/V is written to
     slot_offsets: torch.Tensor  # [T] offset inside that page
-    decodes: list[DecodeGroup] = field(default_factory=list)
-    prefills: list[PrefillSlice] = field(default_factory=list)
+    paged: SeqBatch | None = None  # sequences that read cached K/V from the pool
+    fresh: list[PrefillSlice] = field(default_factory=list)
+    page_size: int = 16
+    null_page: int = 0
+    cache: dict = field(default_factory=dict)  # per-step derived tensors a backend builds once, reuses per layer
 
 
-def _grouped_sdpa(q, keys, values, mask=None, causal=False):
-    """q [B, H, Q, D]; keys/values [B, KVH, S, D]. Query heads of one KV head are folded into the
-    query axis, so grouped-query attention needs no repeated K/V."""
+def causal_sdpa(q, keys, values):
+    """q [B, H, Q, D]; keys/values [B, KVH, S, D], S >= Q; query i attends keys 0 .. S - Q + i
+    (bottom-right aligned: the chunk's queries are the last Q positions). Query heads of one KV head
+    are folded into the query axis, so grouped-query attention needs no repeated K/V."""
     b, h, nq, d = q.shape
-    groups = h // keys.shape[1]
-    if causal and nq == keys.shape[2]:  # a fresh prompt: the fused causal kernel, no explicit mask
+    kvh, nk = keys.shape[1], keys.shape[2]
+    groups = h // kvh
+    if nq == nk:  # a fresh prompt: the fused causal kernel, no explicit mask
         return F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=groups > 1)
+    # SDPA's is_causal aligns top-left; a chunk continuing a cached prefix needs bottom-right
+    mask = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(nk - nq)
     if groups == 1:
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal)
-    if causal:
-        mask = torch.ones(nq, keys.shape[2], dtype=torch.bool, device=q.device).tril(keys.shape[2] - nq)
-    if mask is not None and nq > 1:
-        mask = mask.repeat(*([1] * (mask.dim() - 2)), groups, 1)
-    out = F.scaled_dot_product_attention(q.reshape(b, keys.shape[1], groups * nq, d), keys, values, attn_mask=mask)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    out = F.scaled_dot_product_attention(q.reshape(b, kvh, groups * nq, d), keys, values,
+                                         attn_mask=mask.repeat(groups, 1))
     return out.reshape(b, h, nq, d)
+
+
+def _grouped_sdpa(q, keys, values, mask):
+    """One query per sequence: q [B, H, 1, D], keys/values [B, KVH, S, D], mask [B, 1, 1, S]."""
+    b, h, _, d = q.shape
+    groups = h // keys.shape[1]
+    out = F.scaled_dot_product_attention(q.reshape(b, keys.shape[1], groups, d), keys, values, attn_mask=mask)
+    return out.reshape(b, h, 1, d)
 
 
 def _gather(kv, layer, tables, which):
@@ -69,73 +94,169 @@ def _gather(kv, layer, tables, which):
     return flat.transpose(-3, -2)
 
 
+def _fresh_attention(out, q, k, v, batch):
+    for s in batch.fresh:
+        rows = slice(s.row_start, s.row_start + s.num_rows)
+        qp, kp, vp = (x[rows].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        out[rows] = causal_sdpa(qp, kp, vp).squeeze(0).transpose(0, 1)
+
+
+def _decode_groups(batch: AttentionBatch, device):
+    """Decode rows bucketed by length (up to 8 buckets: little padding to gather, few calls), with
+    their tables cut to the bucket's width and an additive mask; built once per step."""
+    if "decode_groups" in batch.cache:
+        return batch.cache["decode_groups"]
+    sb, ps = batch.paged, batch.page_size
+    decodes = [i for i in range(len(sb)) if sb.qlens[i] == 1]
+    order = sorted(decodes, key=lambda i: sb.lens[i])
+    groups = []
+    size = max(4, cdiv(len(order), 8))
+    for at in range(0, len(order), size):
+        members = order[at: at + size]
+        idx = torch.tensor(members, device=device)
+        width = cdiv(max(sb.lens[i] for i in members), ps)
+        tables = sb.tables.index_select(0, idx)[:, :width].long()
+        lens = sb.context_lens.index_select(0, idx)
+        valid = torch.arange(width * ps, device=device)[None, :] < lens[:, None]
+        bias = torch.zeros(valid.shape, dtype=batch.cache["dtype"], device=device).masked_fill_(~valid, float("-inf"))
+        groups.append((sb.query_start.index_select(0, idx).long(), tables, bias[:, None, None, :]))
+    batch.cache["decode_groups"] = groups
+    return groups
+
+
 def sdpa_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv, layer: int,
                          batch: AttentionBatch) -> torch.Tensor:
-    """q [T, H, D]; k, v [T, KVH, D] are this step's (already written to the pool)."""
+    """The reference. q [T, H, D]; k, v [T, KVH, D] are this step's (already written to the pool)."""
     out = torch.empty_like(q)
-    for g in batch.decodes:
-        keys = _gather(kv, layer, g.tables, 0)
-        values = _gather(kv, layer, g.tables, 1)
-        mask = g.mask if g.bias is None else g.bias
-        out[g.rows] = _grouped_sdpa(q[g.rows].unsqueeze(2), keys, values, mask).squeeze(2)
-    for s in batch.prefills:
-        rows = slice(s.row_start, s.row_start + s.num_rows)
-        qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
-        if s.context_len == s.num_rows:  # fresh prompt: attend over this step's K/V, no gather
-            keys, values = k[rows].transpose(0, 1).unsqueeze(0), v[rows].transpose(0, 1).unsqueeze(0)
+    sb = batch.paged
+    if sb is not None:
+        batch.cache.setdefault("dtype", q.dtype)
+        for rows, tables, bias in _decode_groups(batch, q.device):
+            keys, values = _gather(kv, layer, tables, 0), _gather(kv, layer, tables, 1)
+            out[rows] = _grouped_sdpa(q[rows].unsqueeze(2), keys, values, bias).squeeze(2)
+        for i in range(len(sb)):
+            n, ctx, start = sb.qlens[i], sb.lens[i], sb.starts[i]
+            if n == 1:
+                continue
+            table = sb.tables[i, : cdiv(ctx, batch.page_size)].long()
+            keys = _gather(kv, layer, table, 0)[:, :ctx].unsqueeze(0)
+            values = _gather(kv, layer, table, 1)[:, :ctx].unsqueeze(0)
+            rows = slice(start, start + n)
+            out[rows] = causal_sdpa(q[rows].transpose(0, 1).unsqueeze(0), keys, values).squeeze(0).transpose(0, 1)
+    _fresh_attention(out, q, k, v, batch)
+    return out
+
+
+def native_paged_attention(q, k, v, kv, layer, batch):
+    """The CPU kernel reads every pool-reading sequence's pages in place, in one call; fresh chunks
+    use SDPA over their own K/V (a GEMM-shaped problem the kernel would do no better)."""
+    from inference import native
+
+    out = torch.empty_like(q)
+    sb = batch.paged
+    if sb is not None:
+        native.paged_attention(out, q, kv.data, layer, sb.tables, sb.context_lens, sb.query_start,
+                               sb.query_len, 1.0 / math.sqrt(q.shape[-1]))
+    _fresh_attention(out, q, k, v, batch)
+    return out
+
+
+_XFORMERS_PAGED = {}  # dtype -> whether xformers has a paged kernel for this device, page size and dtype
+
+
+def xformers_paged_attention(q, k, v, kv, layer, batch):  # CUDA only; same semantics as the reference
+    """One memory_efficient_attention call per step over every sequence (the runner puts fresh chunks
+    in `paged` too on this backend). fp16/bf16: a paged bias over the pool itself (the pool viewed as
+    one token axis [(pages * layers * 2) * page_size, KVH, D] makes (page, layer, K|V) an xformers
+    page, so nothing is copied). fp32, or when no paged kernel takes this page size: one gather per
+    layer into padded rows and a block-diagonal causal bias with per-sequence offsets."""
+    from xformers.ops import fmha
+
+    if _XFORMERS_PAGED.get(q.dtype, q.dtype in (torch.float16, torch.bfloat16)):
+        try:
+            out = _xformers_call(fmha, q, kv, layer, batch, paged=True)
+            _XFORMERS_PAGED[q.dtype] = True
+            return out
+        except (NotImplementedError, ValueError) as exc:
+            log.warning("xformers has no paged kernel for %s, page size %d (%s): gathering pages instead",
+                        q.dtype, batch.page_size, str(exc).splitlines()[0])
+            _XFORMERS_PAGED[q.dtype] = False
+    return _xformers_call(fmha, q, kv, layer, batch, paged=False)
+
+
+def _xformers_call(fmha, q, kv, layer, batch, paged: bool):
+    qx, keys, values, bias = xformers_inputs(fmha, q, kv, layer, batch, paged)
+    return fmha.memory_efficient_attention_forward(qx, keys, values, attn_bias=bias).reshape(q.shape)
+
+
+def xformers_inputs(fmha, q, kv, layer, batch, paged: bool):
+    """q as [1, T, KVH, G, D], K and V as [1, keys, KVH, G (expanded), D], and the bias."""
+    sb, ps = batch.paged, batch.page_size
+    t, h, d = q.shape
+    kvh = kv.num_kv_heads
+    g = h // kvh
+    key = ("xformers_bias", paged)
+    if key not in batch.cache:
+        if paged:
+            batch.cache[key] = fmha.attn_bias.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens(
+                q_seqlen=sb.qlens, kv_seqlen=sb.lens, block_tables=sb.tables, page_size=ps, device=q.device)
         else:
-            keys = _gather(kv, layer, s.table, 0)[:, : s.context_len].unsqueeze(0)
-            values = _gather(kv, layer, s.table, 1)[:, : s.context_len].unsqueeze(0)
-        out[rows] = _grouped_sdpa(qp, keys, values, causal=True).squeeze(0).transpose(0, 1)
-    return out
+            batch.cache[key] = fmha.attn_bias.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens(
+                q_seqlen=sb.qlens, kv_padding=sb.tables.shape[1] * ps, kv_seqlen=sb.lens, device=q.device)
+    bias = batch.cache[key]
+    if paged:
+        flat = kv.data.view(-1, kvh, d)  # token axis over (page, layer, K|V, offset)
+        tables = sb.tables * (kv.data.shape[1] * 2) + layer * 2  # the xformers page holding (page, layer, K)
+        bias = fmha.attn_bias.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask(
+            q_seqinfo=bias.q_seqinfo, k_seqinfo=bias.k_seqinfo, block_tables=tables, page_size=ps)
+        keys = flat[:-ps].view(1, -1, kvh, 1, d).expand(-1, -1, -1, g, -1)
+        values = flat[ps:].view(1, -1, kvh, 1, d).expand(-1, -1, -1, g, -1)  # page e of this view is V
+    else:
+        tables = sb.tables.long()
+        keys = kv.data[tables, layer, 0].reshape(1, -1, kvh, 1, d).expand(-1, -1, -1, g, -1)
+        values = kv.data[tables, layer, 1].reshape(1, -1, kvh, 1, d).expand(-1, -1, -1, g, -1)
+    return q.view(1, t, kvh, g, d), keys, values, bias
 
 
-def _xformers_paged_attention(q, k, v, kv, layer, batch):  # CUDA only; same semantics as the SDPA path
-    import xformers.ops as xops
-
-    out = torch.empty_like(q)
-    groups = q.shape[1] // kv.num_kv_heads
-
-    def attend(qs, keys, values, causal_from):
-        # qs [Q, H, D]; keys/values [KVH, S, D]
-        k = keys.transpose(0, 1).repeat_interleave(groups, dim=1).unsqueeze(0)
-        v = values.transpose(0, 1).repeat_interleave(groups, dim=1).unsqueeze(0)
-        bias = None
-        if causal_from is not None:
-            bias = xops.LowerTriangularFromBottomRightMask()
-        return xops.memory_efficient_attention(qs.unsqueeze(0), k, v, attn_bias=bias).squeeze(0)
-
-    for g in batch.decodes:
-        lens = g.mask.view(g.mask.shape[0], -1).sum(-1).tolist()
-        keys = _gather(kv, layer, g.tables, 0)
-        values = _gather(kv, layer, g.tables, 1)
-        for i, row in enumerate(g.rows.tolist()):
-            out[row] = attend(q[row : row + 1], keys[i, :, : lens[i]], values[i, :, : lens[i]], None)[0]
-    for s in batch.prefills:
-        rows = slice(s.row_start, s.row_start + s.num_rows)
-        keys = _gather(kv, layer, s.table, 0)[:, : s.context_len]
-        values = _gather(kv, layer, s.table, 1)[:, : s.context_len]
-        out[rows] = attend(q[rows], keys, values, causal_from=True)
-    return out
-
-
-def select_backend(device: torch.device) -> str:
-    """`KVSERVE_ATTENTION` (sdpa|xformers) overrides; otherwise xformers on CUDA when its ops load."""
+def select_backend(device: torch.device, dtype: torch.dtype = torch.float32) -> str:
+    """`KVSERVE_ATTENTION` (native|sdpa|xformers) overrides; otherwise `native` on the CPU (fp32) and
+    xformers on CUDA when its ops load. Falling back to the reference is logged as an error."""
     wanted = os.environ.get("KVSERVE_ATTENTION", "").strip().lower()
-    if wanted and wanted not in ("sdpa", "xformers"):
-        raise ValueError(f"KVSERVE_ATTENTION={wanted!r}: use 'sdpa' or 'xformers'")
-    if wanted == "sdpa" or device.type != "cuda":
-        if wanted == "xformers":
-            raise ValueError("KVSERVE_ATTENTION=xformers needs a CUDA device; unset it to use sdpa")
+    if wanted and wanted not in BACKEND_NAMES:
+        raise ValueError(f"KVSERVE_ATTENTION={wanted!r}: use one of {', '.join(BACKEND_NAMES)} (or unset it)")
+    if wanted == "sdpa":
         return "sdpa"
+    if device.type != "cuda":
+        if wanted == "xformers":
+            raise ValueError("KVSERVE_ATTENTION=xformers needs a CUDA device; unset it to use the native kernel")
+        return _native_or_fallback(dtype, required=wanted == "native")
+    if wanted == "native":
+        raise ValueError("KVSERVE_ATTENTION=native is the CPU kernel; unset it to use xformers on CUDA")
     try:
         import xformers.ops  # noqa: F401  (imported only on CUDA: on CPU it warns)
     except Exception as exc:  # pragma: no cover - depends on the CUDA build
         if wanted == "xformers":
             raise
-        log.warning("xformers ops did not load (%s); using sdpa", exc)
+        log.error("xformers ops did not load (%s); attention falls back to SDPA over gathered pages (slow)", exc)
         return "sdpa"
     return "xformers"
 
 
-BACKENDS = {"sdpa": sdpa_paged_attention, "xformers": _xformers_paged_attention}
+def _native_or_fallback(dtype: torch.dtype, required: bool) -> str:
+    from inference import native
+
+    why = None
+    if dtype != torch.float32:
+        why = f"the kernel is fp32-only and the pool is {dtype}"
+    elif not native.load():
+        why = native.load_error()
+    if why is None:
+        return "native"
+    if required:
+        raise RuntimeError(f"KVSERVE_ATTENTION=native but the paged-attention kernel cannot run: {why}")
+    log.error("PAGED-ATTENTION KERNEL NOT IN USE (%s): decode attention falls back to SDPA over gathered "
+              "pages, a copy of every sequence's K/V per layer per step. Build it with `make install`.", why)
+    return "sdpa"
+
+
+BACKENDS = {"native": native_paged_attention, "sdpa": sdpa_paged_attention, "xformers": xformers_paged_attention}

@@ -8,12 +8,13 @@ from dataclasses import dataclass, field
 import torch
 
 from inference.allocator import LocalAllocator, PageAllocator
-from inference.attention import AttentionBatch, DecodeGroup, PrefillSlice, select_backend
+from inference.attention import select_backend
 from inference.block_manager import BlockManager, OwnershipViolation, Violation
 from inference.faults import NO_FAULTS, Faults
-from inference.kv_cache import PagePool, page_checksums
+from inference.kv_cache import PagePool, cdiv, page_checksums
 from inference.loader import LoadedModel, load_model
 from inference.model import Llama
+from inference.runner import StepBuilder
 from inference.sampling import sample, sampled_logprobs
 from inference.scheduler import RequestTooLarge, ScheduledChunk, Scheduler
 from inference.sequence import SamplingParams, Sequence, SeqStatus
@@ -83,13 +84,14 @@ class Engine:
         mc = model.config
         dtype = getattr(torch, config.dtype)
         device = torch.device(config.device)
-        self.attention_backend = config.attention or select_backend(device)
+        self.attention_backend = config.attention or select_backend(device, dtype)
         self.model = Llama(mc, model.weights, dtype=dtype, device=device, attention_backend=self.attention_backend)
         num_pages = config.pages_for(mc, dtype)
         self.pool = PagePool(num_pages, config.page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, device)
         allocator: PageAllocator = (allocator_factory or (lambda n: LocalAllocator(n)))(num_pages)
         self.block_manager = BlockManager(allocator, self.pool, config.scrub_policy, config.faults)
         self.scheduler = Scheduler(self.block_manager, config.chunk_size, config.max_num_seqs)
+        self.runner = StepBuilder(self.pool, fresh_reads_pool=self.attention_backend == "xformers")
         self.window = config.window or mc.max_position
         self.tokenizer = model.tokenizer
         self.fingerprint = model.fingerprint
@@ -153,7 +155,7 @@ class Engine:
         if seq.status is not SeqStatus.PREFILLED:
             raise ValueError(f"{seq} has not finished prefill")
         n = seq.num_prompt_tokens
-        blob = self.pool.export_pages(seq.block_table[: -(-n // self.pool.page_size)])
+        blob = self.pool.export_pages(seq.block_table[: cdiv(n, self.pool.page_size)])
         tail = n % self.pool.page_size
         if tail:
             blob[-1, :, :, tail:] = 0
@@ -162,6 +164,7 @@ class Engine:
     def release(self, seq: Sequence) -> None:
         """Frees a sequence's pages (scrubbed by policy) and forgets it."""
         self.scheduler.finish(seq)
+        self.runner.release(seq)
         if seq.block_table:
             self.block_manager.deallocate(seq)
         self.seqs.pop(seq.request_id, None)
@@ -234,6 +237,7 @@ class Engine:
                 continue
             seq.status, seq.error = SeqStatus.FAILED, "lease lost"
             self.scheduler.remove(seq)
+            self.runner.release(seq)
             pages.update(seq.block_table)
             seq.block_table, seq.page_epochs = [], []
             failed.append(seq)
@@ -251,6 +255,7 @@ class Engine:
         for seq in failed:
             seq.status, seq.error = SeqStatus.FAILED, reason
             self.scheduler.remove(seq)
+            self.runner.release(seq)
             seq.block_table, seq.page_epochs = [], []
         self.seqs = {}
         self.block_manager.forget(range(self.pool.num_pages))  # scrubs every page under on_free
@@ -294,43 +299,7 @@ class Engine:
         return events
 
     def _prepare(self, chunks: list[ScheduledChunk]):
-        ps = self.pool.page_size
-        ids, pos, pages, offsets = [], [], [], []
-        decode_rows, decode_tables, decode_lens = [], [], []
-        prefills = []
-        sample_rows = {}
-        for chunk in chunks:
-            seq, start, n = chunk.seq, chunk.seq.num_cached, chunk.num_tokens
-            row = len(ids)
-            for p in range(start, start + n):
-                ids.append(seq.token_at(p))
-                pos.append(p)
-                pages.append(seq.block_table[p // ps])
-                offsets.append(p % ps)
-            sample_rows[seq.request_id] = row + n - 1
-            ctx = start + n
-            table = seq.block_table[: -(-ctx // ps)]
-            if n == 1:
-                decode_rows.append(row)
-                decode_tables.append(table)
-                decode_lens.append(ctx)
-            else:
-                prefills.append(PrefillSlice(row, n, torch.tensor(table), ctx))
-        device = self.pool.data.device
-        batch = AttentionBatch(torch.tensor(pages, device=device), torch.tensor(offsets, device=device),
-                               prefills=prefills)
-        order = sorted(range(len(decode_rows)), key=lambda i: decode_lens[i])
-        group_size = max(4, -(-len(order) // 8))  # up to 8 length buckets: little padding to gather, few calls
-        for at in range(0, len(order), group_size):
-            members = order[at : at + group_size]
-            width = max(len(decode_tables[i]) for i in members)
-            padded = [decode_tables[i] + [self.pool.null_page] * (width - len(decode_tables[i])) for i in members]
-            lens = torch.tensor([decode_lens[i] for i in members], device=device)
-            mask = (torch.arange(width * ps, device=device)[None, :] < lens[:, None])[:, None, None, :]
-            bias = torch.zeros(mask.shape, dtype=self.pool.data.dtype, device=device).masked_fill_(~mask, float("-inf"))
-            batch.decodes.append(DecodeGroup(torch.tensor([decode_rows[i] for i in members], device=device),
-                                             torch.tensor(padded, device=device), mask, bias))
-        return torch.tensor(ids, device=device), torch.tensor(pos, device=device), batch, sample_rows
+        return self.runner.build(chunks)
 
     def _on_token(self, seq: Sequence, token: int) -> StepEvent:
         if seq.prefill_only:
@@ -348,15 +317,23 @@ class Engine:
         return StepEvent(seq, token, delta, seq.is_done)
 
     def _append_token(self, seq: Sequence, token: int) -> str:
+        """Records a sampled token and returns the text it releases. seq.text only ever grows by what
+        is returned; an incomplete UTF-8 character and a possible start of a stop string are held
+        back until the next token decides them."""
         seq.output_ids.append(token)
         self.num_decode_tokens += 1
         params = seq.params
         if token in self.tokenizer.eos_ids and not params.ignore_eos:
             seq.status, seq.finish_reason = SeqStatus.FINISHED, "stop"
             return ""
-        text = self.tokenizer.decode(seq.output_ids)
+        stream = seq.text_stream = seq.text_stream or self.tokenizer.stream()
+        searched = stream.stable_len  # text before this was searched for stop strings already
+        stream.push(token)
+        text = stream.text
         if params.stop:
-            hits = [text.find(s) for s in params.stop if s and s in text]
+            # a stop string found now ends past what was searched (else the last step had found it)
+            start = max(0, searched - max(map(len, params.stop)) + 1)
+            hits = [i for i in (text.find(s, start) for s in params.stop if s) if i >= 0]
             if hits:
                 cut = min(hits)
                 delta = text[len(seq.text):cut] if cut > len(seq.text) else ""
@@ -367,16 +344,16 @@ class Engine:
             seq.status, seq.finish_reason = SeqStatus.FINISHED, "length"
             delta, seq.text = text[len(seq.text):], text
             return delta
-        # hold back an incomplete UTF-8 character and anything that may be the start of a stop string
         safe = len(text.rstrip("\ufffd"))
         for s in params.stop:
             for k in range(min(len(s) - 1, safe), 0, -1):
-                if text[:safe].endswith(s[:k]):
+                if text.endswith(s[:k], 0, safe):
                     safe -= k
                     break
         if safe <= len(seq.text):
             return ""
-        delta, seq.text = text[len(seq.text):safe], text[:safe]
+        delta = text[len(seq.text):safe]
+        seq.text += delta
         return delta
 
     def _fail_closed(self, seq: Sequence, exc: OwnershipViolation) -> StepEvent:
@@ -385,6 +362,7 @@ class Engine:
         seq.status, seq.error = SeqStatus.FAILED, str(exc)
         seq.text = ""
         self.scheduler.remove(seq)
+        self.runner.release(seq)
         self.block_manager.release_all(seq)
         return StepEvent(seq, None, "", True)
 

@@ -9,6 +9,11 @@ import hashlib
 import torch
 
 
+def cdiv(a, b):
+    """Ceiling division, for ints and integer tensors alike (pages needed for `a` tokens)."""
+    return (a + b - 1) // b
+
+
 class PagePool:
     def __init__(self, num_pages: int, page_size: int, num_layers: int, num_kv_heads: int,
                  head_dim: int, dtype=torch.float32, device="cpu"):

@@ -3,6 +3,8 @@ import enum
 import random
 from dataclasses import dataclass
 
+from inference.kv_cache import cdiv
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -55,6 +57,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.text = ""  # detokenized output so far, stop strings removed
+        self.text_stream = None  # the incremental detokenizer (inference.tokenizer.TextStream), made by the engine
         self.transfer_ms: float | None = None  # time to pull the handoff's KV (decode side)
         self.read_record: dict | None = None  # set when the sequence finishes (BlockManager.read_record)
 
@@ -74,9 +77,18 @@ class Sequence:
         n = len(self.prompt_ids)
         return self.prompt_ids[i] if i < n else self.output_ids[i - n]
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self.prompt_ids[start:] + self.output_ids[: end - n]
+
     def num_pages_needed(self, page_size: int) -> int:
         """Pages for the whole request: prompt plus every token it may generate."""
-        return -(-(self.num_prompt_tokens + self.params.max_tokens) // page_size)
+        return cdiv(self.num_prompt_tokens + self.params.max_tokens, page_size)
 
     def __repr__(self):
         return f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, pages={self.block_table})"

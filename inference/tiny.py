@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from inference.loader import permute_qk
-from inference.tokenizer import bpe_from_gguf_vocab
+from inference.tokenizer import BYTE_OF_SYMBOL, bpe_from_gguf_vocab
 
 TINY = dict(vocab=0, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, context=2048)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -23,15 +23,7 @@ TEMPLATE = (
 
 def _byte_symbols() -> list[str]:
     """GPT-2's byte-to-unicode table, in byte order."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    table = dict(zip(bs, cs))
-    return [chr(table[b]) for b in range(256)]
+    return sorted(BYTE_OF_SYMBOL, key=BYTE_OF_SYMBOL.get)
 
 
 def tiny_vocab():
@@ -41,9 +33,10 @@ def tiny_vocab():
     return tokens, types, merges
 
 
-def tiny_weights(seed: int = 0) -> tuple[dict[str, np.ndarray], dict]:
+def tiny_weights(seed: int = 0, **shape) -> tuple[dict[str, np.ndarray], dict]:
+    """`shape` overrides TINY's entries, e.g. kv_heads=4 for a multi-head (non-GQA) model."""
     tokens, _, _ = tiny_vocab()
-    c = dict(TINY, vocab=len(tokens))
+    c = dict(TINY, vocab=len(tokens), **shape)
     rng = np.random.default_rng(seed)
     hd = c["hidden"] // c["heads"]
 
@@ -138,9 +131,11 @@ def write_tiny(out_dir) -> dict[str, Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     weights, c = tiny_weights()
+    mha_weights, mha = tiny_weights(seed=1, kv_heads=TINY["heads"])
     return {"gguf": write_gguf(out / "tiny.gguf", weights, c),
             "gguf_q8": write_gguf(out / "tiny-q8_0.gguf", weights, c, "Q8_0"),
-            "hf": write_hf_dir(out / "tiny-hf", weights, c)}
+            "hf": write_hf_dir(out / "tiny-hf", weights, c),
+            "hf_mha": write_hf_dir(out / "tiny-mha-hf", mha_weights, mha)}
 
 
 if __name__ == "__main__":

@@ -39,7 +39,10 @@ def handoff_key() -> bytes:
 
 
 def runtime_start(role: str, **overrides):
+    from inference.threads import torch_threads_apply
     from inference.worker import WorkerRuntime
+
+    torch_threads_apply(role)  # before the engine exists: its first ops size their thread pool
 
     from kvserve.chat.services import (runtime_on_lease_lost, runtime_on_quarantine, runtime_on_reclaim,
                                        runtime_on_violation)

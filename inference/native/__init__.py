@@ -1,0 +1,76 @@
+"""The native CPU paged-attention kernel (paged_attention.cpp): built by `make install`
+(`python -m inference.native`) into inference/native/build/, loaded here as torch.ops.kvserve_paged.
+
+The build is keyed by a hash of the source, the torch version and the flags, so a stale library is
+never loaded. Without a built library the engine falls back to SDPA over gathered pages and says so
+loudly at engine start (see `inference.attention.select_backend`).
+"""
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+HERE = Path(__file__).resolve().parent
+SOURCE = HERE / "paged_attention.cpp"
+BUILD_DIR = HERE / "build"
+CFLAGS = ["-O3", "-fopenmp", "-fopenmp-simd", "-std=c++17"]
+LDFLAGS = ["-fopenmp"]
+_loaded: dict[str, object] = {}
+
+
+def library_name() -> str:
+    h = hashlib.sha256(SOURCE.read_bytes())
+    h.update(f"{torch.__version__} {' '.join(CFLAGS + LDFLAGS)}".encode())
+    return f"kvserve_paged_{h.hexdigest()[:12]}"
+
+
+def library_path() -> Path:
+    return BUILD_DIR / f"{library_name()}.so"
+
+
+def build(verbose: bool = False) -> Path:
+    """Compiles the kernel (ninja + the system C++ compiler, ~1 min on 2 cores); returns the library path."""
+    from torch.utils import cpp_extension
+
+    try:
+        import ninja  # the pinned wheel ships the binary; put it on PATH for cpp_extension
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
+    BUILD_DIR.mkdir(parents=True, exist_ok=True)
+    for stale in BUILD_DIR.glob("kvserve_paged_*.so"):
+        if stale.name != library_path().name:
+            stale.unlink()
+    cpp_extension.load(name=library_name(), sources=[str(SOURCE)], build_directory=str(BUILD_DIR),
+                       extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), is_python_module=False, verbose=verbose)
+    return library_path()
+
+
+def load() -> bool:
+    """Loads the built kernel once; False (and why, in `load_error()`) when it is not built."""
+    if "ok" in _loaded:
+        return _loaded["ok"]
+    path = library_path()
+    try:
+        if not path.exists():
+            raise FileNotFoundError(f"{path} is not built: run `make install` (or `python -m inference.native`)")
+        torch.ops.load_library(str(path))
+        _loaded["ok"] = True
+    except Exception as exc:  # a missing or broken build is a fallback, never a crash
+        _loaded["ok"], _loaded["error"] = False, f"{type(exc).__name__}: {exc}"
+    return _loaded["ok"]
+
+
+def load_error() -> str | None:
+    return _loaded.get("error")
+
+
+def paged_attention(out, q, pool, layer, tables, context_lens, query_start, query_len, scale) -> None:
+    if not _loaded.get("ok") and not load():
+        raise RuntimeError(f"the paged-attention kernel is not available: {load_error()}")
+    torch.ops.kvserve_paged.paged_attention(out, q, pool, layer, tables, context_lens, query_start, query_len, scale)
+

@@ -1,0 +1,162 @@
+"""The native paged-attention kernel against the SDPA reference (gathered pages), on random block
+tables: null-page padding, partial last pages, decode rows, chunks continuing a cached prefix,
+fresh chunks, GQA and MHA, the head dims the models use. And: the kernel is what runs by default
+on the CPU; without a build the engine falls back loudly."""
+import logging
+import random
+
+import pytest
+import torch
+
+from inference import attention, native
+from inference.attention import BACKENDS, AttentionBatch, PrefillSlice, SeqBatch
+from inference.engine import Engine, EngineConfig
+from inference.kv_cache import PagePool, cdiv
+
+# (query heads, kv heads, head dim): SmolLM2-135M (9/3/64), the tiny model (4/2/16), MHA, MQA, a
+# head dim without a specialised kernel (24)
+SHAPES = [(9, 3, 64), (4, 2, 16), (4, 4, 32), (8, 1, 128), (6, 2, 24), (8, 8, 64)]
+
+
+def random_case(h, kvh, d, *, page_size=4, layers=3, seed=0, num_pages=96):
+    """A pool of random K/V, a flat batch of decode rows, continued chunks and fresh chunks with
+    random (disjoint) page tables; pages no sequence owns hold NaN, so a stray read shows."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    pool = PagePool(num_pages, page_size, layers, kvh, d)
+    pool.data.copy_(torch.randn(pool.data.shape, generator=gen))
+    free = list(range(num_pages))
+    rng.shuffle(free)
+    kinds = ["decode"] * 6 + ["continued"] * 3 + ["fresh"] * 2
+    rng.shuffle(kinds)
+    seqs, fresh, row, owned = [], [], 0, set()
+    for kind in kinds:
+        n = 1 if kind == "decode" else rng.randint(2, 9)
+        past = 0 if kind == "fresh" else rng.randint(1, 23)  # often not a page multiple: partial last page
+        ctx = past + n
+        pages = [free.pop() for _ in range(cdiv(ctx, page_size))]
+        owned.update(pages)
+        if kind == "fresh":
+            fresh.append(PrefillSlice(row, n))
+        else:
+            seqs.append((pages, ctx, row, n))
+        row += n
+    for p in set(range(num_pages)) - owned:
+        pool.data[p] = float("nan")
+    width = max(len(p) for p, *_ in seqs) + 2  # wider than any: null-page padding on every row
+    tables = torch.tensor([p + [pool.null_page] * (width - len(p)) for p, *_ in seqs], dtype=torch.int32)
+    lens, starts, qlens = [s[1] for s in seqs], [s[2] for s in seqs], [s[3] for s in seqs]
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    batch = AttentionBatch(torch.zeros(row, dtype=torch.long), torch.zeros(row, dtype=torch.long),
+                           paged=SeqBatch(tables, i32(lens), i32(starts), i32(qlens), lens, starts, qlens),
+                           fresh=fresh, page_size=page_size, null_page=pool.null_page)
+    q = torch.randn(row, h + kvh, d, generator=gen)[:, :h]  # a view with a row stride, like the model's
+    k, v = torch.randn(row, kvh, d, generator=gen), torch.randn(row, kvh, d, generator=gen)
+    return pool, batch, q, k, v
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel_built():
+    assert native.load(), f"the paged-attention kernel is not built ({native.load_error()}): run `make install`"
+
+
+@pytest.mark.parametrize("h,kvh,d", SHAPES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_kernel_matches_sdpa_over_gathered_pages(h, kvh, d, seed):
+    pool, batch, q, k, v = random_case(h, kvh, d, seed=seed)
+    for layer in range(pool.num_layers):
+        ours = BACKENDS["native"](q, k, v, pool, layer, batch)
+        ref = BACKENDS["sdpa"](q, k, v, pool, layer, AttentionBatch(**{**batch.__dict__, "cache": {}}))
+        assert torch.isfinite(ours).all() and torch.isfinite(ref).all()
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_kernel_with_other_page_sizes_and_one_thread(page_size):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        pool, batch, q, k, v = random_case(9, 3, 64, page_size=page_size, seed=3, num_pages=400)
+        ref = BACKENDS["sdpa"](q, k, v, pool, 1, batch)
+        torch.testing.assert_close(BACKENDS["native"](q, k, v, pool, 1, batch), ref, rtol=1e-5, atol=2e-5)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_kernel_refuses_a_page_outside_the_pool_and_a_table_too_short():
+    pool, batch, q, k, v = random_case(4, 2, 16)
+    sb = batch.paged
+    bad = sb.tables.clone()
+    bad[0, 0] = pool.num_pages + 1  # past the null page
+    out = torch.empty_like(q)
+    args = (sb.context_lens, sb.query_start, sb.query_len, 0.25)
+    with pytest.raises(RuntimeError, match="page id out of range"):
+        native.paged_attention(out, q, pool.data, 0, bad, *args)
+    with pytest.raises(RuntimeError, match="bad query_len/context_len"):
+        native.paged_attention(out, q, pool.data, 0, sb.tables[:, :1].contiguous(), *args)
+
+
+def test_the_kernel_is_what_runs_by_default_on_the_cpu(tiny_model, monkeypatch):
+    monkeypatch.delenv("KVSERVE_ATTENTION", raising=False)
+    engine = Engine(tiny_model, EngineConfig(num_pages=32))
+    assert engine.attention_backend == "native"
+    engine.add_request("k", list(range(10, 30)), _greedy(3))
+    engine.step()  # prefill
+    with torch.profiler.profile() as prof:
+        engine.step()  # a decode step
+    names = {e.key for e in prof.key_averages()}
+    assert "kvserve_paged::paged_attention" in names
+    assert not any("scaled_dot_product" in n for n in names)  # decode rows never go through SDPA
+
+
+def test_without_a_build_the_engine_falls_back_to_sdpa_and_says_so(tiny_model, monkeypatch, tmp_path, caplog):
+    monkeypatch.delenv("KVSERVE_ATTENTION", raising=False)
+    monkeypatch.setattr(native, "BUILD_DIR", tmp_path)
+    monkeypatch.setattr(native, "_loaded", {})
+    with caplog.at_level(logging.ERROR):
+        engine = Engine(tiny_model, EngineConfig(num_pages=32))
+    assert engine.attention_backend == "sdpa"
+    assert "PAGED-ATTENTION KERNEL NOT IN USE" in caplog.text and "make install" in caplog.text
+    monkeypatch.setenv("KVSERVE_ATTENTION", "native")
+    with pytest.raises(RuntimeError, match="kernel cannot run"):
+        attention.select_backend(torch.device("cpu"))
+    (seq,) = engine.generate([list(range(10, 30))], _greedy(4))  # the fallback still serves
+    assert len(seq.output_ids) == 4
+
+
+def test_native_and_sdpa_engines_generate_the_same_tokens(tiny_model):
+    prompts = [list(range(10, 10 + n)) for n in (5, 17, 33, 48)]
+    out = {}
+    for backend in ("native", "sdpa"):
+        engine = Engine(tiny_model, EngineConfig(num_pages=64, page_size=4, chunk_size=16, attention=backend))
+        out[backend] = [s.output_ids for s in engine.generate(prompts, _greedy(12))]
+    assert out["native"] == out["sdpa"]
+
+
+@pytest.mark.parametrize("paged", [True, False])
+@pytest.mark.parametrize("h,kvh,d", [(9, 3, 64), (4, 4, 32), (8, 1, 16)])
+def test_xformers_inputs_select_exactly_the_keys_the_reference_attends(h, kvh, d, paged):
+    """The CUDA path's inputs, checked on the CPU: its bias materialized densely over its K/V views
+    (the pool itself for the paged variant) gives the reference's attention."""
+    fmha = pytest.importorskip("xformers.ops").fmha
+    pool, batch, q, k, v = random_case(h, kvh, d, seed=1)
+    pool.data = pool.data.nan_to_num(0.0)
+    batch.fresh = []  # on CUDA the runner puts every chunk in `paged`; here only the pool-reading ones
+    sb = batch.paged
+    rows = torch.cat([torch.arange(s, s + n) for s, n in zip(sb.starts, sb.qlens)])
+    ref = BACKENDS["sdpa"](q, k, v, pool, 1, batch)[rows]
+    packed = AttentionBatch(batch.slot_pages, batch.slot_offsets, page_size=batch.page_size,
+                            paged=SeqBatch(sb.tables, sb.context_lens, sb.query_start, sb.query_len, sb.lens,
+                                           [int(x) for x in torch.tensor([0] + sb.qlens[:-1]).cumsum(0)], sb.qlens))
+    qx, keys, values, bias = attention.xformers_inputs(fmha, q[rows], pool, 1, packed, paged)
+    mask = bias.materialize((len(rows), len(sb) * sb.tables.shape[1] * batch.page_size))
+    keys, values = keys[0, : mask.shape[-1]], values[0, : mask.shape[-1]]  # [keys, KVH, G, D]
+    scores = torch.einsum("qkgd,skgd->kgqs", qx[0], keys) / d ** 0.5 + mask
+    out = torch.einsum("kgqs,skgd->qkgd", scores.softmax(-1), values).reshape(len(rows), h, d)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=2e-5)
+
+
+def _greedy(n):
+    from inference.sequence import SamplingParams
+
+    return SamplingParams(max_tokens=n, ignore_eos=True)
