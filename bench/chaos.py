@@ -519,6 +519,7 @@ def main(argv=None) -> int:
     django.setup()  # only for the canary's sentinel generator: the harness reads the stack's own files
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
+    code = code_version()  # before the run: bench.all rewrites README.md and RESULTS.md after it
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="kvchaos-"))
     workdir.mkdir(parents=True, exist_ok=True)
     began = time.time()
@@ -557,7 +558,7 @@ def main(argv=None) -> int:
                                         "integrity", "served", "restarted") if f.get(k)}
             print(f"{name}: failed {f['checks_failed']}: {detail}")
     passed = bool(results) and all(f["passed"] for f in results.values()) and not leftovers
-    emit_json({"bench": "chaos", "run": stack.hosts.run if stack else None, "code": code_version(),
+    emit_json({"bench": "chaos", "run": stack.hosts.run if stack else None, "code": code,
                "order": list(results), "scenarios": results, "targets": TARGETS,
                "passed": passed, "failed": [n for n, f in results.items() if not f["passed"]],
                "cleanup_ok": not leftovers, "leftovers": leftovers, "wall_s": time.time() - began,
