@@ -274,36 +274,47 @@ def outcome(call: Call, row: dict | None, deadline: float) -> dict:
 
 async def recover(stack: ChaosStack, http: httpx.AsyncClient, t0: float, limit_s: float, planted: set[str],
                   probes: list[Call]) -> dict[str, float]:
-    """Probe requests from t0 until every worker host has served one (or limit_s): {host: when}."""
+    """Probe requests from t0, four in flight at all times (the decode queue hands them to both decoders),
+    until every worker host has served one or limit_s passes: {host: when it served}."""
     served: dict[str, float] = {}
     await asyncio.sleep(max(0.0, t0 - time.time()))
-    i = 0
-    while time.time() < t0 + limit_s and not set(WORKERS) <= served.keys():
-        wave_start = time.time()
-        wave = []
-        for _ in range(4):  # several at once: the decode queue hands them to both decoders
-            sentinel = new_sentinel()
-            planted.add(sentinel)
-            wave.append(Call(tenant=TENANTS[i % 2], sentinel=sentinel, max_tokens=8,
-                             messages=[{"role": "user", "content": f"Repeat exactly: the secret code is {sentinel}"}]))
-            i += 1
-        probes.extend(wave)
+    inflight: set[asyncio.Task] = set()
+
+    async def probe(call: Call) -> Call:
         give_up = time.time() + 20
-        await asyncio.gather(*(asyncio.wait_for(run_call(http, stack.url, stack.keys[c.tenant], c, lambda: give_up), 25)
-                               for c in wave), return_exceptions=True)
-        rows = await asyncio.to_thread(stack.rows_since, wave_start)
-        live = await asyncio.to_thread(stack.live_by_host)
-        for call in wave:
-            row = row_for(call, rows)
-            if call.final != "done" or not row or row["status"] != "done":
-                continue
-            for worker in (row["prefill_worker"], row["decode_worker"]):
-                host = stack.host_of(worker)
-                info = live.get(host)
-                if host and host not in served and info and info.worker_id == worker and not info.quarantined:
-                    served[host] = call.ended
-        if not set(WORKERS) <= served.keys():
-            await asyncio.sleep(0.5 if any(c.final == "done" for c in wave) else 1.0)
+        try:
+            await asyncio.wait_for(run_call(http, stack.url, stack.keys[call.tenant], call, lambda: give_up), 25)
+        except asyncio.TimeoutError:
+            pass
+        return call
+
+    try:
+        while time.time() < t0 + limit_s and not set(WORKERS) <= served.keys():
+            while len(inflight) < 4:
+                sentinel = new_sentinel()
+                planted.add(sentinel)
+                call = Call(tenant=TENANTS[len(probes) % 2], sentinel=sentinel, max_tokens=8,
+                            messages=[{"role": "user", "content": f"Repeat exactly: the secret code is {sentinel}"}])
+                probes.append(call)
+                inflight.add(asyncio.create_task(probe(call)))
+            finished, inflight = await asyncio.wait(inflight, timeout=t0 + limit_s - time.time(),
+                                                    return_when=asyncio.FIRST_COMPLETED)
+            calls = [t.result() for t in finished]
+            rows = await asyncio.to_thread(stack.rows_since, min((c.submitted for c in calls), default=t0))
+            live = await asyncio.to_thread(stack.live_by_host)
+            for call in calls:
+                row = row_for(call, rows)
+                if call.final != "done" or not row or row["status"] != "done":
+                    continue
+                for worker in (row["prefill_worker"], row["decode_worker"]):
+                    host = stack.host_of(worker)
+                    info = live.get(host)
+                    if host and host not in served and info and info.worker_id == worker and not info.quarantined:
+                        served[host] = call.ended
+            if calls and not any(c.final == "done" for c in calls):
+                await asyncio.sleep(1.0)  # nothing serves yet (503s come back at once): do not hammer
+    finally:  # probes still running finish (each is bounded): a hung-up probe would hold pages a while
+        await asyncio.gather(*inflight, return_exceptions=True)
     return served
 
 
@@ -354,6 +365,10 @@ async def run_scenario(stack: ChaosStack, sc: Scenario, args, planted: set[str])
         foreign += [f"{call.sentinel} saw {s}" for s in seen]
     critical = [i for i in incidents if i["severity"] == "critical"]
     stranded = sum(p["owned"] + p["dirty"] for p in pools.values())
+    status = {r["id"]: r["status"] for r in rows}
+    stranded_detail = [f"{stack.host_of(pool) or pool}: {p['dirty']} dirty" for pool, p in pools.items() if p["dirty"]]
+    stranded_detail += [f"{stack.host_of(pool) or pool}: {n} owned by {owner} ({status.get(owner, 'not a request of this scenario')})"
+                        for pool, p in pools.items() for owner, n in p["owners"].items()]
     live = await asyncio.to_thread(stack.live_by_host)
     integrity = [f"{name}: no pool to check (not registered)" for name in WORKERS if name not in live]
     integrity += [f"{stack.host_of(pool) or pool}: {p['integrity']}" for pool, p in pools.items() if p["integrity"] != "ok"]
@@ -370,7 +385,7 @@ async def run_scenario(stack: ChaosStack, sc: Scenario, args, planted: set[str])
         "false_critical_incidents": len(critical),
         "critical_detail": [f"#{i['id']} {i['kind']} on {i['worker'] or i['pool']} ({i['detected_by']})" for i in critical][:10],
         "warning_incidents": sum(i["severity"] == "warning" for i in incidents),
-        "stranded_pages": stranded, "drain_s": drained_s, "integrity": "ok" if not integrity else "; ".join(integrity)[:600],
+        "stranded_pages": stranded, "stranded_detail": stranded_detail[:10], "drain_s": drained_s, "integrity": "ok" if not integrity else "; ".join(integrity)[:600],
         "serve_again_s": serve_again, "served": {h: round(t - lift.t0, 1) for h, t in served.items()},
         "probes": len(probes), "clients_without_final_event": hung, "rows_not_final": rows_open,
         "fault_s": lift.at - fault_at, **ctx.notes,
@@ -411,20 +426,20 @@ def stream_matches_row(events: list[dict], row: dict | None) -> bool:
 
 # ---- between scenarios ----------------------------------------------------------------------------
 
-def unready(stack: ChaosStack, served: dict[str, float] | None) -> list[str]:
+def unready(stack: ChaosStack, served: dict[str, float] | None) -> dict[str, str]:
     """Worker hosts that are not registered, are quarantined, whose pool is missing, failed check_integrity
-    or holds pages with nothing in flight, or (when `served` is given) that did not serve a probe."""
-    try:
-        live, pools = stack.live_by_host(), stack.pools()
-    except Exception:
-        live, pools = {}, {}
-    bad = []
+    or holds pages with nothing in flight, or (when `served` is given) that did not serve a probe: {host: why}."""
+    live, pools = stack.live_by_host(), stack.pools()
+    bad = {}
     for name in WORKERS:
         info = live.get(name)
         pool = pools.get(info.worker_id) if info else None
-        if (info is None or info.quarantined or pool is None or pool["integrity"] != "ok" or pool["owned"]
-                or pool["dirty"] or (served is not None and name not in served)):
-            bad.append(name)
+        why = ("not registered" if info is None else "quarantined" if info.quarantined
+               else "no pool" if pool is None else pool["integrity"] if pool["integrity"] != "ok"
+               else f"{pool['owned']} pages owned, {pool['dirty']} dirty" if pool["owned"] or pool["dirty"]
+               else "served no probe" if served is not None and name not in served else "")
+        if why:
+            bad[name] = why
     return bad
 
 
@@ -437,15 +452,18 @@ def ready(stack: ChaosStack, planted: set[str], tries: int = 3) -> list[str]:
     """Restarts worker hosts until every one is registered with an intact, drained pool and serves a probe;
     returns the hosts it restarted. (Today's periodic reaper can retire the pool of a worker that is still
     starting: the pool is registered before the worker is, and a listed pool with no live worker looks dead.)"""
+    def settled(served):  # a worker that lost its registration may come back, pages of finished work drain
+        deadline = time.monotonic() + 10
+        while (bad := unready(stack, served)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        return bad
+
     restarted = []
     for _ in range(tries):
-        deadline = time.monotonic() + 10
-        while (bad := unready(stack, None)) and time.monotonic() < deadline:
-            time.sleep(0.5)  # a worker that lost its registration may come back by itself
+        bad = settled(None) or settled(asyncio.run(_probe_all(stack, planted, limit_s=45)))
         if not bad:
-            bad = unready(stack, asyncio.run(_probe_all(stack, planted, limit_s=45)))
-            if not bad:
-                return restarted
+            return restarted
+        print(f"restarting {bad}", flush=True)
         for name in bad:
             stack.restart(name)
             restarted.append(name)
@@ -555,7 +573,7 @@ def main(argv=None) -> int:
     for name, f in results.items():
         if not f["passed"]:
             detail = {k: f[k] for k in ("failed_codes", "lost_detail", "critical_detail", "foreign_detail",
-                                        "integrity", "served", "restarted") if f.get(k)}
+                                        "stranded_detail", "integrity", "served", "restarted") if f.get(k)}
             print(f"{name}: failed {f['checks_failed']}: {detail}")
     passed = bool(results) and all(f["passed"] for f in results.values()) and not leftovers
     emit_json({"bench": "chaos", "run": stack.hosts.run if stack else None, "code": code,

@@ -12,6 +12,7 @@ import signal
 import sqlite3
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 from bench.hosts import Hosts, RedisHost
@@ -77,14 +78,16 @@ def parse_time(value: str | None) -> float | None:
 
 
 def pool_report(client, prefix: str, pool_id: str) -> dict:
-    """A pool's pages owned / dirty / in no state (RedisLedger.snapshot) and its check_integrity verdict."""
+    """A pool's pages owned (and by whom) / dirty / in no state (RedisLedger.snapshot), and its
+    check_integrity verdict."""
     try:
         ledger = RedisLedger(client, pool_id, prefix=prefix)
         states = list(ledger.snapshot().values())
     except LedgerError as exc:  # the pool is gone (unregistered, or Redis lost it)
-        return {"owned": 0, "dirty": 0, "lost": 0, "integrity": str(exc)}
-    report = {"owned": sum(isinstance(s, dict) for s in states), "dirty": states.count("dirty"),
-              "lost": states.count("lost"), "integrity": "ok"}
+        return {"owned": 0, "dirty": 0, "lost": 0, "owners": {}, "integrity": str(exc)}
+    owners = Counter(s["owner"] for s in states if isinstance(s, dict))
+    report = {"owned": sum(owners.values()), "dirty": states.count("dirty"), "lost": states.count("lost"),
+              "owners": dict(sorted(owners.items())), "integrity": "ok"}
     try:
         ledger.check_integrity()
     except Exception as exc:

@@ -82,10 +82,11 @@ def test_a_request_ran_once_when_its_stream_has_one_final_event_and_carries_what
 def test_pool_report_counts_owned_and_dirty_pages_and_names_a_missing_pool(redis_client, ledger_prefix):
     ledger = RedisLedger.register(redis_client, "decode-x-1-ab", "decode", 8, 16, prefix=ledger_prefix, lease_ttl_s=4)
     assert pool_report(redis_client, ledger_prefix, "decode-x-1-ab") == {"owned": 0, "dirty": 0, "lost": 0,
-                                                                        "integrity": "ok"}
+                                                                        "owners": {}, "integrity": "ok"}
     ledger.allocate("chatcmpl-a", 3)
     ledger.allocate("chatcmpl-b", 2)
-    assert pool_report(redis_client, ledger_prefix, "decode-x-1-ab")["owned"] == 5
+    report = pool_report(redis_client, ledger_prefix, "decode-x-1-ab")
+    assert report["owned"] == 5 and report["owners"] == {"chatcmpl-a": 3, "chatcmpl-b": 2}
     ledger.reap_expired(now_ms=int(redis_client.time()[0] * 1000) + 60_000)  # both leases run out
     report = pool_report(redis_client, ledger_prefix, "decode-x-1-ab")
     assert (report["owned"], report["dirty"], report["integrity"]) == (0, 5, "ok")
