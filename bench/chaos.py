@@ -200,7 +200,7 @@ async def fault_web_restart(ctx: Ctx) -> Lift:
 SCENARIOS = [
     Scenario("control", "no fault (the harness's own check: every target must hold)", fault_none),
     Scenario("kill_prefill", "SIGKILL of the prefill worker while it prefills; restarted after 1 s",
-             fault_kill_prefill, trigger="prefilling", filler=10),
+             fault_kill_prefill, trigger="prefilling", filler=4),
     Scenario("kill_decode", "SIGKILL of the busiest decode worker mid-stream; restarted after 1 s", fault_kill_decode),
     Scenario("stop_decode", f"SIGSTOP of the busiest decode worker for {HOLD_S} s (2x lease), then SIGCONT",
              fault_stop_decode),
@@ -269,6 +269,8 @@ def outcome(call: Call, row: dict | None, deadline: float) -> dict:
     finished = parse_time(row["finished_at"]) if row else None
     if row and row["status"] in FINAL and finished is not None and finished <= deadline:
         return {"outcome": "done" if row["status"] == "done" else "failed", "code": row["error_code"], "at": finished}
+    if row and row["status"] in FINAL and finished is not None:
+        return {"outcome": "lost", "code": f"{row['status']} {finished - deadline:.0f} s after the bound", "at": None}
     return {"outcome": "lost", "code": row["status"] if row else "no_row", "at": None}
 
 
@@ -387,7 +389,7 @@ async def run_scenario(stack: ChaosStack, sc: Scenario, args, planted: set[str])
         "warning_incidents": sum(i["severity"] == "warning" for i in incidents),
         "stranded_pages": stranded, "stranded_detail": stranded_detail[:10], "drain_s": drained_s, "integrity": "ok" if not integrity else "; ".join(integrity)[:600],
         "serve_again_s": serve_again, "served": {h: round(t - lift.t0, 1) for h, t in served.items()},
-        "probes": len(probes), "clients_without_final_event": hung, "rows_not_final": rows_open,
+        "probes": len(probes), "probe_log": probe_log(probes, lift.t0), "clients_without_final_event": hung, "rows_not_final": rows_open,
         "fault_s": lift.at - fault_at, **ctx.notes,
     }
     checks = {
@@ -407,6 +409,12 @@ async def run_scenario(stack: ChaosStack, sc: Scenario, args, planted: set[str])
     figures["checks_failed"] = [k for k, ok in checks.items() if not ok]
     figures["passed"] = all(checks.values())
     return figures
+
+
+def probe_log(probes: list[Call], t0: float, limit: int = 8) -> list[str]:
+    """The first probes: sent and answered (s after t0), and how (a slow recovery shows where it waited)."""
+    return [f"+{c.submitted - t0:.1f}s..+{(c.ended or c.submitted) - t0:.1f}s {c.final or 'no answer'}"
+            f"{' ' + c.code if c.code else ''}" for c in probes[:limit]]
 
 
 def ran_once(stack: ChaosStack, ctx: Ctx, rows: list[dict]) -> bool:

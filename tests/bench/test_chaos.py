@@ -47,7 +47,8 @@ def test_without_a_final_event_the_row_decides_within_the_bound():
 
 
 def test_a_request_final_only_after_the_bound_or_never_is_lost():
-    assert outcome(call(), row("done", 250.0), deadline=200) == {"outcome": "lost", "code": "done", "at": None}
+    late = {"outcome": "lost", "code": "done 50 s after the bound", "at": None}
+    assert outcome(call(), row("done", 250.0), deadline=200) == late
     assert outcome(call(), row("decoding", None), deadline=200)["outcome"] == "lost"
     assert outcome(call(), None, deadline=200) == {"outcome": "lost", "code": "no_row", "at": None}
 

@@ -19,9 +19,9 @@ DETAIL = ("checks_failed", "failed_codes", "lost_detail", "critical_detail", "fo
 def test_quick_chaos_meets_every_target_and_cleans_up(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "bench.chaos", "--quick", "--workdir", str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=840)
-    lines = proc.stdout.strip().splitlines()
-    assert lines, proc.stderr[-3000:]
-    result = json.loads(lines[-1])
+    last = (proc.stdout.strip().splitlines() or [""])[-1]
+    assert last.startswith("{"), f"bench.chaos ended without its JSON line: {proc.stderr[-3000:]}"
+    result = json.loads(last)
     assert set(result["scenarios"]) == {"control", "cut_decode"}, proc.stderr[-3000:]
     run = result["run"]
     assert result["cleanup_ok"] and result["leftovers"] == []
