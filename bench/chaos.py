@@ -414,7 +414,7 @@ async def run_scenario(stack: ChaosStack, sc: Scenario, args, planted: set[str])
 def probe_log(probes: list[Call], t0: float, limit: int = 8) -> list[str]:
     """The first probes: sent and answered (s after t0), and how (a slow recovery shows where it waited)."""
     return [f"+{c.submitted - t0:.1f}s..+{(c.ended or c.submitted) - t0:.1f}s {c.final or 'no answer'}"
-            f"{' ' + c.code if c.code else ''}" for c in probes[:limit]]
+            f"{' ' + c.code if c.code else ''}{' (' + c.broke[:80] + ')' if c.broke else ''}" for c in probes[:limit]]
 
 
 def ran_once(stack: ChaosStack, ctx: Ctx, rows: list[dict]) -> bool:
