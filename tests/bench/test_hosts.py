@@ -57,11 +57,14 @@ def test_close_removes_namespaces_links_processes_and_the_record():
 
 def test_the_sweep_removes_runs_of_dead_owners_and_keeps_live_ones(hosts):
     dead = Hosts(["a"]).create()
-    state = json.loads(dead._state.read_text())
-    gone = subprocess.Popen(["true"])
-    gone.wait()
-    state.update(pid=gone.pid, start_time=_start_time(gone.pid) or "0")
-    dead._state.write_text(json.dumps(state))
-    removed = sweep_stale()
-    assert dead.hosts["a"].netns in removed and dead.leftovers() == []
-    assert hosts.hosts["a"].netns in list_netns() and hosts._state.exists()  # its owner (this process) lives
+    try:
+        state = json.loads(dead._state.read_text())
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        state.update(pid=gone.pid, start_time=_start_time(gone.pid) or "0")
+        dead._state.write_text(json.dumps(state))
+        removed = sweep_stale()
+        assert dead.hosts["a"].netns in removed and dead.leftovers() == []
+        assert hosts.hosts["a"].netns in list_netns() and hosts._state.exists()  # its owner (this process) lives
+    finally:
+        dead.close()
