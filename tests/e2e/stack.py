@@ -29,11 +29,15 @@ def free_port() -> int:
 
 
 class Stack:
-    def __init__(self, workdir: Path, redis_url: str = TEST_REDIS_URL, **env):
+    """Every process on this host by default; a subclass places each on a host of its own by overriding
+    `launcher` (bench/hosts.py runs them in network namespaces)."""
+
+    def __init__(self, workdir: Path, *, redis_url: str = TEST_REDIS_URL, web_host: str = "127.0.0.1", **env):
         self.workdir = Path(workdir)
         self.prefix = f"kvstest-e2e-{uuid.uuid4().hex[:8]}"
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.web_host = web_host
+        self.url = f"http://{web_host}:{self.port}"
         self.redis = redis.Redis.from_url(redis_url)
         self.env = {
             **os.environ,
@@ -67,9 +71,13 @@ class Stack:
         return subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=self.env, capture_output=True,
                               text=True, timeout=timeout_s)
 
+    def launcher(self, name: str) -> list[str]:
+        """The command prefix that runs process `name` on its host (none: this host)."""
+        return []
+
     def spawn(self, name: str, cmd: list[str], **env) -> subprocess.Popen:
         log = open(self.logs / f"{name}.log", "ab")
-        proc = subprocess.Popen(cmd, cwd=ROOT, env={**self.env, **env}, stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen([*self.launcher(name), *cmd], cwd=ROOT, env={**self.env, **env}, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         self.procs[name] = proc
         return proc
@@ -81,7 +89,7 @@ class Stack:
                                  "--without-gossip"], **env)
 
     def start_web(self, **env) -> None:
-        self.spawn("web", [sys.executable, "-m", "uvicorn", "kvserve.asgi:application", "--host", "127.0.0.1",
+        self.spawn("web", [sys.executable, "-m", "uvicorn", "kvserve.asgi:application", "--host", self.web_host,
                            "--port", str(self.port), "--log-level", "warning"], **env)
 
     def sql(self, query: str, *params) -> list[tuple]:
