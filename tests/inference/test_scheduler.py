@@ -78,7 +78,9 @@ def test_a_shortage_preempts_the_newest_and_its_recompute_gives_the_same_greedy_
     engine = make_engine(tiny_model, num_pages=14, page_size=4)  # 3 x 6 pages at the end: they cannot all fit
     seqs = [engine.add_request(f"r{i}", p, greedy(14)) for i, p in enumerate(prompts)]
     seen_waiting = []
-    while any(not s.is_done for s in seqs):
+    for _ in range(500):
+        if all(s.is_done for s in seqs):
+            break
         engine.step()
         engine.block_manager.allocator.check_integrity()
         assert held_pages(engine) <= 14
@@ -86,6 +88,10 @@ def test_a_shortage_preempts_the_newest_and_its_recompute_gives_the_same_greedy_
     assert seen_waiting and seen_waiting[0] == "r2"  # the most recently admitted goes first
     assert [s.output_ids for s in seqs] == alone
     assert engine.scheduler.num_preemptions == len(seen_waiting) == sum(s.num_preemptions for s in seqs)
+    for s in seqs:  # a resumed sequence read only pages granted to it, at their epochs, within what it wrote
+        r = s.read_record
+        assert set(r["owners"]) == {s.request_id} and r["page_epochs"] == r["epochs"]
+        assert sum(r["written"]) >= r["read_len"]
     assert engine.block_manager.num_free() == 14
 
 
