@@ -90,3 +90,23 @@ def test_one_request_counts_tokens_from_usage_or_content_chunks(usage, expected)
     result = asyncio.run(go())
     assert result["tokens"] == expected and result["ttft"] <= result["latency"]
     assert seen["body"]["temperature"] == 0.0 and seen["body"]["max_tokens"] == 64
+
+
+def test_peer_profile_buckets_the_engine_loop_thread_only():
+    from bench.peer_profile import bucket_samples
+
+    loop = "thread (1): engine-loop;Thread.run (threading.py:982);WorkerRuntime._iterate (inference/worker.py:353)"
+    raw = "\n".join([
+        f"{loop};WorkerRuntime._drain (inference/worker.py:400);Condition.wait (threading.py:331) 30",
+        f"{loop};Engine.step (inference/engine.py:284);Llama.forward (inference/model.py:118);"
+        f"_onednn_linear (inference/model.py:60) 40",
+        f"{loop};Engine.step (inference/engine.py:284);Llama.logits (inference/model.py:130);"
+        f"_onednn_linear (inference/model.py:60) 10",
+        f"{loop};WorkerRuntime._flush (inference/worker.py:380);OutputStream.publish_many (inference/streams.py:63) 5",
+        f"{loop};Engine.step (inference/engine.py:284);Engine._prepare (inference/engine.py:200) 3",
+        "thread (2): heartbeat;WorkerRuntime._heartbeat (inference/worker.py:500) 99",  # another thread: not counted
+        "garbage line",
+    ])
+    assert bucket_samples(raw) == {"waiting": 30, "projections + MLP (fp32 matmul)": 40, "logits (fp32 matmul)": 10,
+                                   "output stream (Redis XADD per step)": 5,
+                                   "scheduler, step building, worker loop": 3}
