@@ -23,6 +23,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -155,6 +156,12 @@ class PeerServer:
             wait_http(f"{self.url}/health", 300, alive=lambda: self.proc.poll() is None)
         except Exception:
             self.close()
+            if self.proc.returncode == -signal.SIGILL and "--no-repack" not in self.cmd:
+                # a CPU that advertises AMX its VM does not grant: ggml's AMX (extra buffer) kernels trap on
+                # their first tile instruction; --no-repack turns the extra buffer types off (plain AVX path)
+                log("peer: llama-server died of SIGILL (AMX advertised, not usable here); again with --no-repack")
+                self.cmd.append("--no-repack")
+                return self.start()
             raise RuntimeError(f"llama-server did not start: {self.log_path.read_text(errors='replace')[-2000:]}")
         return self
 
