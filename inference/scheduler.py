@@ -3,11 +3,12 @@
 
 A request's pages are reserved whole (prompt + max_tokens) when it is admitted to the batch: it
 then never needs preemption. One that does not fit now waits; one that can never fit is refused.
+Waiting requests are picked round-robin across tenants (inference.fair_queue), FIFO within a tenant.
 """
-from collections import deque
 from dataclasses import dataclass
 
 from inference.block_manager import BlockManager
+from inference.fair_queue import TenantQueues
 from inference.sequence import Sequence, SeqStatus
 
 
@@ -26,7 +27,7 @@ class Scheduler:
         self.block_manager = block_manager
         self.chunk_size = chunk_size
         self.max_num_seqs = max_num_seqs
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: TenantQueues[Sequence] = TenantQueues()
         self.active: list[Sequence] = []  # PREFILLING or RUNNING, in admission order
 
     @property
@@ -40,7 +41,7 @@ class Scheduler:
                 f"request {seq.request_id} needs {num_pages} pages; the pool has "
                 f"{self.block_manager.pool.num_pages} (raise KVSERVE_NUM_PAGES or lower max_tokens)"
             )
-        self.waiting.append(seq)
+        self.waiting.add(seq)
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence whose pages are already allocated and filled (imported from a handoff)."""
@@ -59,10 +60,10 @@ class Scheduler:
                 chunks.append(ScheduledChunk(seq, n))
                 budget -= n
         while self.waiting and budget > 0 and len(self.active) < self.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self.waiting.peek()
             if not self.block_manager.allocate(seq, seq.num_pages_needed(self.block_manager.page_size)):
-                break  # does not fit now: it waits, and so does everything behind it (FIFO)
-            self.waiting.popleft()
+                break  # does not fit now: it keeps its turn, nobody overtakes it (no starvation)
+            self.waiting.pop_next()
             seq.status = SeqStatus.PREFILLING
             self.active.append(seq)
             n = min(budget, seq.num_prompt_tokens)

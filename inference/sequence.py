@@ -16,6 +16,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none computed; n: each token's log-probability and the n most likely
+    tenant: str = ""  # who asked: the engine's waiting queue takes turns between tenants (inference.fair_queue)
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -60,6 +61,10 @@ class Sequence:
         self.text_stream = None  # the incremental detokenizer (inference.tokenizer.TextStream), made by the engine
         self.transfer_ms: float | None = None  # time to pull the handoff's KV (decode side)
         self.read_record: dict | None = None  # set when the sequence finishes (BlockManager.read_record)
+
+    @property
+    def tenant(self) -> str:
+        return self.params.tenant
 
     @property
     def num_prompt_tokens(self) -> int:
