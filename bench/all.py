@@ -31,7 +31,7 @@ ROOT = HERE.parent
 RESULTS_JSONL = HERE / "results.jsonl"
 RESULTS_MD = HERE / "RESULTS.md"
 
-MODULES = ["engine", "profile", "guards", "transport", "load", "chaos"]  # run in this order
+MODULES = ["engine", "profile", "guards", "transport", "load", "fairness", "chaos"]  # run in this order
 NEEDS_URL = {"load"}
 NEEDS_ROOT = {"chaos"}  # network namespaces
 
@@ -165,6 +165,9 @@ SUMMARY = [
     ("load", "lost", "load test requests without an answer", "0"),
     ("load", "incidents", "incidents opened during the load test", "0"),
     ("load", "ratio_vs_engine", "load tok/s over the in-process engine's", ">= 0.85"),
+    ("fairness", "ttft_ratio", "tenant B's TTFT while A floods / alone (fair share on)", "<= 2"),
+    ("fairness", "completion_ratio", "tenant B's completion time while A floods / alone", "<= 2"),
+    ("fairness", "unlimited_ttft_ratio", "the same TTFT ratio with A's limits off (contrast)", ""),
     ("chaos", "passed", "chaos suite: every target met in every scenario (table below)", "True"),
 ]
 
