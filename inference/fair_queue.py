@@ -28,6 +28,13 @@ class TenantQueues(Generic[T]):
         self._queues.setdefault(item.tenant, deque()).append(item)
         self._len += 1
 
+    def push_front(self, item: T) -> None:
+        """Queue `item` first of all (a preempted sequence, to be recomputed): head of its tenant's queue, and
+        its tenant's turn now."""
+        self._queues.setdefault(item.tenant, deque()).appendleft(item)
+        self._queues.move_to_end(item.tenant, last=False)
+        self._len += 1
+
     def peek(self) -> T | None:
         """The item whose turn it is (None when empty); the turn does not move."""
         for queue in self._queues.values():

@@ -79,3 +79,11 @@ def test_every_item_is_eventually_popped_whatever_the_arrivals():
     while q:  # no arrivals now: the rest drains, nothing is stuck
         popped.append(q.pop_next())
     assert sorted(map(id, popped)) == sorted(map(id, added))
+
+
+def test_push_front_goes_first_and_the_turns_go_on_from_there():
+    q = TenantQueues()
+    for item in (Item("A", "a0"), Item("B", "b0"), Item("B", "b1"), Item("C", "c0")):
+        q.add(item)
+    q.push_front(Item("B", "b-preempted"))
+    assert drain(q) == ["b-preempted", "a0", "c0", "b0", "b1"]
