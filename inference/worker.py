@@ -34,11 +34,12 @@ import torch
 from inference.allocator import LedgerError, PoolLost
 from inference.cancel import Cancel, Cancellations
 from inference.engine import Engine, EngineConfig
-from inference.handoff import Handoff, HandoffRefused, Verdict, verify_for_decode
+from inference.handoff import DecodeSide, Handoff, Verdict, handoff_accept
 from inference.host_ledger import UNREACHABLE, HostLedger
 from inference.ledger import RedisLedger, check_eviction_policy
 from inference.loader import load_model, model_name
 from inference.metrics import WorkerMetrics
+from inference.prefill import Exported, prefill_admission, prefill_export, prefill_handoff, prefill_refusal
 from inference.registry import Registry, WorkerInfo, WorkerNotRegistered
 from inference.scheduler import RequestTooLarge
 from inference.sequence import SamplingParams, Sequence, SeqStatus
@@ -250,6 +251,7 @@ class WorkerRuntime:
             num_pages=e.num_pages, page_size=e.page_size, capacity_tokens=e.capacity_tokens, window=e.window,
             model_fingerprint=e.fingerprint, dtype=e.config.dtype, device=e.device,
             attention_backend=e.attention_backend, scrub_policy=e.scrub_policy, faults=sorted(e.config.faults),
+            max_position=e.model.config.max_position,
             started_at=time.time(), heartbeat_at=time.time(),
         )
 
@@ -265,40 +267,34 @@ class WorkerRuntime:
         cannot be held here. RequestFailed when the request could not be prefilled. `still_wanted()` is
         asked just before the KV is sent; False (the request ended or was taken over meanwhile) sends
         nothing and returns an ABORTED handoff."""
-        e = self.engine
-        base = dict(request_id=request_id, expected_tokens=len(prompt_ids), model_fingerprint=e.fingerprint,
-                    page_size=e.page_size, dtype=e.config.dtype, prefill_worker=self.worker_id)
-        empty = dict(transferred_tokens=0, num_pages=0, page_checksums=(), page_epochs=())
-        reason = e.admission_error(len(prompt_ids), params.max_tokens)
-        if reason:  # never a placeholder: a prompt that cannot be held ends REJECTED, nothing taken or sent
-            return Handoff(verdict=Verdict.REJECTED, reason=reason, **empty, **base).signed(self.handoff_key)
+        e, key = self.engine, self.handoff_key
+        refused = prefill_admission(e, request_id, prompt_ids, params, self.worker_id)
+        if refused is not None:  # never a placeholder: a prompt that cannot be held ends REJECTED, nothing sent
+            return refused.signed(key)
         try:
-            first, blob, sums, epochs, first_logprobs = self._run(PrefillCommand(request_id, prompt_ids, params),
-                                                                  timeout_s)
+            exported: Exported = self._run(PrefillCommand(request_id, prompt_ids, params), timeout_s)
         except RequestTooLarge as exc:
-            return Handoff(verdict=Verdict.REJECTED, reason=str(exc), **empty, **base).signed(self.handoff_key)
+            return prefill_refusal(e, request_id, prompt_ids, self.worker_id, Verdict.REJECTED, str(exc)).signed(key)
         if still_wanted is not None and not still_wanted():
-            return Handoff(verdict=Verdict.ABORTED, reason="the request ended while it was prefilled", **empty,
-                           **base).signed(self.handoff_key)
-        handoff = Handoff(verdict=Verdict.OK, reason="", transferred_tokens=len(prompt_ids), num_pages=blob.shape[0],
-                          page_checksums=tuple(sums), page_epochs=tuple(epochs), first_token=first,
-                          first_logprobs=first_logprobs, **base).signed(self.handoff_key)
-        self.transport.send(handoff, blob)
+            return prefill_refusal(e, request_id, prompt_ids, self.worker_id, Verdict.ABORTED,
+                                   "the request ended while it was prefilled").signed(key)
+        handoff = prefill_handoff(e, request_id, prompt_ids, self.worker_id, exported).signed(key)
+        self.transport.send(handoff, exported.blob)
         return handoff
+
+    def decode_side(self, request_id: str, prompt_ids: list[int]) -> DecodeSide:
+        """What this worker's engine expects of a handoff for `request_id`."""
+        e = self.engine
+        return DecodeSide(request_id, len(prompt_ids), e.fingerprint, e.page_size, e.config.dtype,
+                          page_shape=tuple(e.pool.data.shape[1:]))
 
     def decode(self, request_id: str, prompt_ids: list[int], params: SamplingParams, handoff: dict,
                timeout_s: float = 3600) -> Sequence:
-        """Verifies the handoff (HandoffRefused otherwise), pulls the KV, then decodes to the end, publishing
-        output events; the finished sequence, or RequestFailed. Pages are allocated only after verification."""
-        e = self.engine
-        h = Handoff.from_dict(handoff)
-        verify_for_decode(h, self.handoff_key, fingerprint=e.fingerprint, page_size=e.page_size,
-                          dtype=e.config.dtype, check="no_handoff_check" not in e.config.faults)
-        if h.request_id != request_id or h.expected_tokens != len(prompt_ids):
-            raise HandoffRefused("handoff_mismatch", f"handoff is for {h.request_id} with {h.expected_tokens} "
-                                                     f"tokens, the task for {request_id} with {len(prompt_ids)}")
+        """Accepts the handoff and pulls its KV (`handoff_accept`: HandoffRefused otherwise), then decodes to the
+        end, publishing output events; the finished sequence, or RequestFailed. Pages are allocated only after."""
         started = time.perf_counter()
-        blob = self.transport.receive(h)
+        h, blob = handoff_accept(handoff, self.handoff_key, self.decode_side(request_id, prompt_ids),
+                                 self.transport.take, check="no_handoff_check" not in self.engine.config.faults)
         transfer_ms = (time.perf_counter() - started) * 1000
         seq = self._run(DecodeCommand(request_id, prompt_ids, params, h.first_token, blob, h.transferred_tokens,
                                       h.first_logprobs), timeout_s)
@@ -465,10 +461,7 @@ class WorkerRuntime:
         for ev in events:
             seq = ev.seq
             if seq.prefill_only and seq.status is SeqStatus.PREFILLED:
-                blob, sums = e.export_kv(seq)
-                exported[seq.request_id] = (seq.output_ids[0], blob, sums, seq.page_epochs[: blob.shape[0]],
-                                            ev.logprobs)
-                e.release(seq)
+                exported[seq.request_id] = prefill_export(e, seq, ev.logprobs)
             elif ev.text_delta or ev.logprobs:
                 out.append((seq.request_id, delta_event(ev.text_delta, ev.token, ev.logprobs)))
             if ev.finished:

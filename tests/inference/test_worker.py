@@ -9,7 +9,7 @@ import torch
 
 from inference.cancel import Cancel
 from inference.engine import EngineConfig
-from inference.handoff import HandoffRefused, Verdict
+from inference.handoff import HandoffRefused, Verdict, handoff_accept
 from inference.ledger import RedisLedger
 from inference.sequence import SeqStatus
 from inference.worker import (DecodeCommand, PoolLostCommand, PrefillCommand, RequestFailed, RuntimeOptions, WindowTooLarge,
@@ -390,7 +390,7 @@ def test_a_duplicate_delivery_is_refused_and_the_original_runs_on(fault_runtimes
     prefill, decode = make("prefill"), make("decode")
     prompt = list(range(10, 50))
     handoff = prefill.prefill("r6", prompt, greedy(300))
-    blob = decode.transport.receive(handoff)
+    _, blob = handoff_accept(handoff, KEY, decode.decode_side("r6", prompt), decode.transport.take)
     original = DecodeCommand("r6", prompt, greedy(300), handoff.first_token, blob, 40)
     decode._commands.put(original)
     next(decode.outputs.read("r6", timeout_s=30))  # decoding
@@ -412,3 +412,59 @@ def test_a_cancel_flag_aborts_the_running_request_and_frees_its_pages(fault_runt
     thread.join(30)
     assert box["error"].code == "client_disconnected"
     assert decode.ledger.num_free() == 64 and not decode.engine.has_request("r7")
+
+
+# ---- the decode worker's own acceptance (inference.handoff.handoff_accept) and admission re-check ----------
+
+def test_a_valid_handoff_replayed_onto_another_request_is_refused_and_its_kv_left_alone(runtimes, redis_client):
+    prefill, decode = runtimes("prefill"), runtimes("decode")
+    prompt = list(range(10, 50))
+    good = prefill.prefill("victim", prompt, greedy(4))
+    with pytest.raises(HandoffRefused) as err:
+        decode.decode("attacker", prompt, greedy(4), good.to_dict())  # same prompt length, another request
+    assert err.value.kind == "handoff_mismatch" and "victim" in err.value.reason
+    assert decode.ledger.num_free() == 64 and not decode.engine.has_request("attacker")
+    assert redis_client.exists(decode.transport.key("victim"))  # not pulled: the real owner can still decode
+    seq = decode.decode("victim", prompt, greedy(4), good.to_dict())
+    assert seq.status is SeqStatus.FINISHED
+
+
+@pytest.mark.parametrize("meta", [{"dtype": "float16"}, {"dtype": "float64"}, {"shape": [3, 2, 2, 16, 2, 8]}])
+def test_a_transported_blob_whose_shape_or_dtype_is_not_the_signed_one_is_refused(runtimes, redis_client, meta):
+    import json as json_lib
+
+    prefill, decode = runtimes("prefill"), runtimes("decode")
+    prompt = list(range(10, 50))
+    good = prefill.prefill("r", prompt, greedy(4))
+    key = decode.transport.key("r")
+    stored = json_lib.loads(redis_client.hget(key, "meta"))
+    redis_client.hset(key, "meta", json_lib.dumps({**stored, **meta}))  # the blob relabelled in transit
+    with pytest.raises(HandoffRefused) as err:
+        decode.decode("r", prompt, greedy(4), good.to_dict())
+    assert err.value.kind == "handoff_mismatch" and "signed handoff says" in err.value.reason
+    assert decode.ledger.num_free() == 64 and not decode.engine.has_request("r")
+
+
+def test_the_decode_worker_re_checks_admission_against_its_own_pool(runtimes, redis_client, ledger_prefix, tiny_model):
+    from inference.scheduler import RequestTooLarge
+
+    prefill = runtimes("prefill")
+    options = RuntimeOptions(prefix=ledger_prefix, lease_ttl_s=30, registry_ttl_s=15)
+    small = WorkerRuntime("decode", redis_client, KEY, model=tiny_model, options=options,
+                          config=EngineConfig(num_pages=32, page_size=16, window=512))
+    try:
+        prompt = list(range(10, 50))
+        handoff = prefill.prefill("big", prompt, greedy(600))  # 640 tokens: fits prefill's 1024, not decode's 512
+        with pytest.raises(RequestTooLarge):
+            small.decode("big", prompt, greedy(600), handoff.to_dict(), timeout_s=10)
+        assert small.ledger.num_free() == 32 and not small.engine.has_request("big")
+    finally:
+        small.stop()
+
+
+def test_the_prefill_worker_re_checks_admission_and_sends_nothing(runtimes, redis_client):
+    prefill = runtimes("prefill")
+    handoff = prefill.prefill("long", list(range(10, 50)), greedy(1000))  # 1040 > the 1024-token window
+    assert handoff.verdict is Verdict.REJECTED and "exceeds this engine's limit of 1024" in handoff.reason
+    assert handoff.has_valid_signature(KEY) and handoff.num_pages == 0
+    assert prefill.ledger.num_free() == 64 and not redis_client.exists(prefill.transport.key("long"))
