@@ -1,12 +1,12 @@
-"""The prefill stage's decisions, shared by the worker and the sandbox replay: admission (a prompt that cannot
-be held ends REJECTED, nothing taken or sent, never a placeholder), what a finished prefill exports, and the
-OK handoff built from it (the blob's shape and dtype signed with it)."""
+"""The prefill stage's pieces, shared by the worker and the sandbox replay: the REJECTED/ABORTED handoff of a
+prompt that is not prefilled (nothing taken or sent, never a placeholder; admission itself is the engine's
+`add_request`), what a finished prefill exports, and the OK handoff built from it (blob shape/dtype signed)."""
 from dataclasses import dataclass
 
 import torch
 
 from inference.handoff import Handoff, Verdict, blob_metadata, handoff_refusal
-from inference.sequence import SamplingParams, Sequence
+from inference.sequence import Sequence
 
 
 @dataclass(frozen=True)
@@ -29,13 +29,6 @@ def prefill_refusal(engine, request_id: str, prompt_ids: list[int], worker_id: s
                     reason: str) -> Handoff:
     """A handoff of this engine that sends nothing (unsigned)."""
     return handoff_refusal(verdict, reason, **_fields(engine, request_id, len(prompt_ids), worker_id))
-
-
-def prefill_admission(engine, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                      worker_id: str) -> Handoff | None:
-    """The worker's admission re-check: a REJECTED handoff (unsigned) when the prompt can never be held here."""
-    reason = engine.admission_error(len(prompt_ids), params.max_tokens)
-    return prefill_refusal(engine, request_id, prompt_ids, worker_id, Verdict.REJECTED, reason) if reason else None
 
 
 def prefill_export(engine, seq: Sequence, first_logprobs=None) -> Exported:

@@ -38,7 +38,8 @@ from inference.engine import Engine, EngineConfig
 from inference.faults import Faults
 from inference.handoff import DecodeSide, Handoff, HandoffRefused, Verdict, handoff_accept
 from inference.kv_cache import page_checksums
-from inference.prefill import prefill_admission, prefill_export, prefill_handoff
+from inference.prefill import prefill_export, prefill_handoff, prefill_refusal
+from inference.scheduler import RequestTooLarge
 from inference.sequence import SamplingParams, SeqStatus
 from inference.transport import LocalTransport
 
@@ -260,13 +261,15 @@ class IncidentReplay:
         stage (inference.prefill). An overlong prompt is REJECTED with nothing sent; under `placeholder_on_reject`
         its first token is prefilled instead and sent, and the handoff says REJECTED, 1 of len(ids)."""
         e, worker = self.prefill, self.prefill.block_manager.pool_id
-        refused = prefill_admission(e, rid, ids, params, worker)
-        prompt = ids
-        if refused is not None:
+        refused, prompt = None, ids
+        try:
+            seq = e.add_request(rid, ids, params, prefill_only=True)  # the worker's admission re-check
+        except RequestTooLarge as exc:
+            refused = prefill_refusal(e, rid, ids, worker, Verdict.REJECTED, str(exc))
             if "placeholder_on_reject" not in faults:
                 return refused.signed(self.key)
             prompt = ids[:1]
-        seq = e.add_request(rid, prompt, params, prefill_only=True)
+            seq = e.add_request(rid, prompt, params, prefill_only=True)
         while not seq.is_done:
             e.step()
         if seq.status is not SeqStatus.PREFILLED:

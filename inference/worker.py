@@ -39,7 +39,7 @@ from inference.host_ledger import UNREACHABLE, HostLedger
 from inference.ledger import RedisLedger, check_eviction_policy
 from inference.loader import load_model, model_name
 from inference.metrics import WorkerMetrics
-from inference.prefill import Exported, prefill_admission, prefill_export, prefill_handoff, prefill_refusal
+from inference.prefill import Exported, prefill_export, prefill_handoff, prefill_refusal
 from inference.registry import Registry, WorkerInfo, WorkerNotRegistered
 from inference.scheduler import RequestTooLarge
 from inference.sequence import SamplingParams, Sequence, SeqStatus
@@ -237,6 +237,7 @@ class WorkerRuntime:
         self._failures = 0
         self._dying = threading.Event()
         self._consuming = True  # whether this worker consumes its queue (quarantine stops it)
+        self._bystander: Sequence | None = None  # fault foreign_page_once: whose page it handed out (once)
         self._stop = threading.Event()
         self.registry.register(self.info())
         self._threads = [threading.Thread(target=self._loop, name="engine-loop", daemon=True),
@@ -268,12 +269,9 @@ class WorkerRuntime:
         asked just before the KV is sent; False (the request ended or was taken over meanwhile) sends
         nothing and returns an ABORTED handoff."""
         e, key = self.engine, self.handoff_key
-        refused = prefill_admission(e, request_id, prompt_ids, params, self.worker_id)
-        if refused is not None:  # never a placeholder: a prompt that cannot be held ends REJECTED, nothing sent
-            return refused.signed(key)
-        try:
+        try:  # the admission re-check is the engine's (Engine.add_request, in the loop): RequestTooLarge
             exported: Exported = self._run(PrefillCommand(request_id, prompt_ids, params), timeout_s)
-        except RequestTooLarge as exc:
+        except RequestTooLarge as exc:  # never a placeholder: it ends REJECTED, nothing taken or sent
             return prefill_refusal(e, request_id, prompt_ids, self.worker_id, Verdict.REJECTED, str(exc)).signed(key)
         if still_wanted is not None and not still_wanted():
             return prefill_refusal(e, request_id, prompt_ids, self.worker_id, Verdict.ABORTED,
@@ -448,11 +446,36 @@ class WorkerRuntime:
             if seq is None:
                 return  # does not fit now; retried after the next step frees pages
             self._pending.popleft()
+            if "foreign_page_once" in self.engine.config.faults and not seq.is_done and self._bystander is None:
+                self._misroute_first_page(seq)
             self.metrics.on_token(rid, seq.is_done)
             if seq.text or cmd.first_logprobs:
                 self._publish([(rid, delta_event(seq.text, cmd.first_token, cmd.first_logprobs))])
             if seq.is_done:
                 self._finish([seq], self._host.take_refused())
+
+    def _misroute_first_page(self, seq: Sequence) -> None:
+        """Fault `foreign_page_once` (tests only; announced at start and registered): once per process, the
+        block table of `seq` is made to point at a page it does not own — another running request's first
+        page, else a page granted for this in the real pool and ledger to a bystander owner (freed after the
+        next step). Nothing else changes: whatever stops the read is the engine's own guard."""
+        e = self.engine
+        others = [s for s in e.seqs.values() if s is not seq and s.block_table and not s.is_done]
+        if others:
+            page, self._bystander = others[0].block_table[0], others[0]
+        else:
+            bystander = Sequence(f"fault-bystander-{uuid.uuid4().hex[:8]}", [0], SamplingParams(max_tokens=1))
+            if not e.block_manager.allocate(bystander, 1):
+                return
+            page, self._bystander = bystander.block_table[0], bystander
+        log.error("FAULT foreign_page_once: request %s's block table now points at page %d (owner %s)",
+                  seq.request_id, page, self._bystander.request_id)
+        seq.block_table[0] = page
+
+    def _free_bystander(self) -> None:
+        b = self._bystander
+        if b is not None and b.request_id.startswith("fault-bystander-") and b.block_table:
+            self.engine.block_manager.deallocate(b)
 
     def _handle(self, events) -> None:
         e = self.engine
@@ -469,6 +492,7 @@ class WorkerRuntime:
         self._publish(out)
         self._finish(finished, self._host.take_refused(), exported)
         e.pop_finished()
+        self._free_bystander()
         for violation in e.take_violations():  # each already failed its request closed, with its error event
             self.metrics.on_violation(violation.kind)
             try:

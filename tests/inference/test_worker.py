@@ -468,3 +468,33 @@ def test_the_prefill_worker_re_checks_admission_and_sends_nothing(runtimes, redi
     assert handoff.verdict is Verdict.REJECTED and "exceeds this engine's limit of 1024" in handoff.reason
     assert handoff.has_valid_signature(KEY) and handoff.num_pages == 0
     assert prefill.ledger.num_free() == 64 and not redis_client.exists(prefill.transport.key("long"))
+
+
+def test_the_foreign_page_fault_is_stopped_by_the_real_guard_once_and_touches_no_other_page(runtimes, redis_client,
+                                                                                            ledger_prefix, tiny_model):
+    from inference.faults import Faults
+
+    seen = []
+    options = RuntimeOptions(prefix=ledger_prefix, lease_ttl_s=30, registry_ttl_s=15)
+    decode = WorkerRuntime("decode", redis_client, KEY, model=tiny_model, options=options,
+                           config=EngineConfig(num_pages=64, page_size=16, window=1024,
+                                               faults=Faults({"foreign_page_once"})),
+                           on_violation=lambda rt, v: seen.append(v))
+    try:
+        prefill = runtimes("prefill")
+        prompt = list(range(10, 50))
+        with pytest.raises(RequestFailed) as err:
+            decode.decode("first", prompt, greedy(8), prefill.prefill("first", prompt, greedy(8)).to_dict())
+        assert err.value.code == "kv_isolation_violation"
+        assert [e["type"] for e in decode.outputs.read("first", timeout_s=5)] == ["error"]  # no content event
+        (v,) = seen
+        assert v.kind == "foreign_read" and v.reader == "first" and v.page_owner.startswith("fault-bystander-")
+        assert v.reader_epoch is not None and v.page_epoch is not None and v.reader_epoch != v.page_epoch
+        assert decode.registry.is_quarantined(decode.worker_id)
+        wait_until(lambda: decode.ledger.num_free() == 64)  # reader and bystander pages freed
+        decode.ledger.check_integrity()
+        assert decode.engine.pool.data[v.page].abs().sum() == 0  # the page bytes themselves: scrubbed
+        seq = decode.decode("second", prompt, greedy(8), prefill.prefill("second", prompt, greedy(8)).to_dict())
+        assert seq.status is SeqStatus.FINISHED  # once per process
+    finally:
+        decode.stop()
