@@ -71,6 +71,8 @@ class WorkerInfo:
     scrub_policy: str
     faults: list[str] = field(default_factory=list)
     max_position: int = 0  # the model's context length (0: not reported by an older writer)
+    node: str = ""  # the Celery node name: its direct queue reaches this process (canary probes)
+    page_shape: list[int] = field(default_factory=list)  # [layers, 2, page_size, kv_heads, head_dim] per page
     quarantined: bool = False
     started_at: float = 0.0
     heartbeat_at: float = 0.0

@@ -40,6 +40,7 @@ from inference.ledger import RedisLedger, check_eviction_policy
 from inference.loader import load_model, model_name
 from inference.metrics import WorkerMetrics
 from inference.prefill import Exported, prefill_export, prefill_handoff, prefill_refusal
+from inference.probes import PROBES
 from inference.registry import Registry, WorkerInfo, WorkerNotRegistered
 from inference.scheduler import RequestTooLarge
 from inference.sequence import SamplingParams, Sequence, SeqStatus
@@ -189,9 +190,17 @@ class StopCommand:
     pass
 
 
+@dataclass(frozen=True)
+class ProbeCommand:
+    """A canary probe (inference.probes) run by the loop on the engine; its result goes to `future`."""
+
+    name: str
+    future: Future = field(default_factory=Future, compare=False)
+
+
 class WorkerRuntime:
     def __init__(self, role: str, redis, handoff_key: bytes, *, model=None, config: EngineConfig | None = None,
-                 options: RuntimeOptions | None = None, on_violation=None, on_reclaim=None, on_lease_lost=None,
+                 options: RuntimeOptions | None = None, node: str = "", on_violation=None, on_reclaim=None, on_lease_lost=None,
                  on_quarantine=None, on_fatal=None):
         self.role = role
         self.redis = redis
@@ -204,6 +213,7 @@ class WorkerRuntime:
         config.window = check_window(num_pages, config.page_size, config.window or model.config.max_position,
                                      opts.clamp_window)
         self.worker_id = new_worker_id(role)
+        self.node = node  # the Celery node name (its direct queue carries canary probes to this process)
         hosts = []
 
         def allocator(n: int) -> HostLedger:
@@ -252,7 +262,8 @@ class WorkerRuntime:
             num_pages=e.num_pages, page_size=e.page_size, capacity_tokens=e.capacity_tokens, window=e.window,
             model_fingerprint=e.fingerprint, dtype=e.config.dtype, device=e.device,
             attention_backend=e.attention_backend, scrub_policy=e.scrub_policy, faults=sorted(e.config.faults),
-            max_position=e.model.config.max_position,
+            max_position=e.model.config.max_position, node=self.node,
+            page_shape=[int(n) for n in e.pool.data.shape[1:]],
             started_at=time.time(), heartbeat_at=time.time(),
         )
 
@@ -298,6 +309,14 @@ class WorkerRuntime:
                                       h.first_logprobs), timeout_s)
         seq.transfer_ms = round(transfer_ms, 2)
         return seq
+
+    def probe(self, name: str, timeout_s: float = 30) -> dict:
+        """Runs canary probe `name` (inference.probes.PROBES) in the engine loop; its result."""
+        if name not in PROBES:
+            raise ValueError(f"unknown probe {name!r}; known: {sorted(PROBES)}")
+        cmd = ProbeCommand(name)
+        self._commands.put(cmd)
+        return cmd.future.result(timeout_s)
 
     def stop(self) -> None:
         self._stop.set()
@@ -403,6 +422,8 @@ class WorkerRuntime:
         elif isinstance(cmd, (ReclaimCommand, LeaseCheckCommand)):
             if self._pool_down is None and cmd.generation == self.ledger.generation:
                 self._reclaim(cmd.pages) if isinstance(cmd, ReclaimCommand) else self._check_leases(cmd.owners)
+        elif isinstance(cmd, ProbeCommand):
+            cmd.future.set_result(PROBES[cmd.name](self.engine))
         elif isinstance(cmd, CancelCommand):
             if cmd.cancel.request_id in self._futures:
                 self._fail(cmd.cancel.request_id, cmd.cancel.code, cmd.cancel.message)
