@@ -498,3 +498,15 @@ def test_the_foreign_page_fault_is_stopped_by_the_real_guard_once_and_touches_no
         assert seq.status is SeqStatus.FINISHED  # once per process
     finally:
         decode.stop()
+
+
+def test_a_finished_request_leaves_its_pages_zeroed_in_both_tensors(runtimes):
+    """Scrub on free in the worker path, seen in the page bytes themselves (not the mirror or the free count)."""
+    prefill, decode = runtimes("prefill"), runtimes("decode")
+    prompt = list(range(10, 50))
+    decode.decode("z", prompt, greedy(8), prefill.prefill("z", prompt, greedy(8)).to_dict())
+    (record,) = decode.outputs.read_records({"z"})
+    assert sum(record["written"]) == 47 and len(record["pages"]) == 3  # 40 prompt + 7 decoded tokens had K/V
+    wait_until(lambda: decode.ledger.num_free() == 64)
+    assert decode.engine.pool.data[record["pages"]].count_nonzero() == 0
+    assert prefill.engine.pool.data.count_nonzero() == 0  # the prefill pages, freed once sent
