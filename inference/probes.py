@@ -1,7 +1,8 @@
 """Live probes a worker runs on itself for the canary, inside its engine loop, on pages it allocates for a canary
 owner in its real pool and ledger (never another request's): the read guard (foreign page, unwritten tail,
 stale epoch must each raise in `BlockManager.check_reads`) and scrub-on-free (a marker written into a canary
-page is gone from the page's bytes once the page is freed through the normal path). A probe never records a
+page is gone from the page's bytes once the page is freed through the normal path). A pool with no free page
+now answers "busy:" (not proven, not broken). A probe never records a
 violation, an incident or a quarantine: its result is returned, and stored by `ProbeRecords`, which owns the
 Redis keys `{prefix}:probes:*`. No Django."""
 import json
@@ -31,7 +32,7 @@ def guard_probe(engine) -> dict:
     a, b = _owner("guard-a"), _owner("guard-b")
     try:
         if not bm.allocate(a, 2) or not bm.allocate(b, 1):
-            return {"ok": False, "reason": "no free pages for the guard probe now", "cases": {}}
+            return {"ok": False, "reason": "busy: no free pages for the guard probe now", "cases": {}}
         bm.mark_written(a, ps + 1)  # a: first page full, one slot of the second
         bm.mark_written(b, 1)
         reads = {
@@ -61,9 +62,12 @@ def scrub_probe(engine) -> dict:
     """A marker in a canary-owned page, the page freed by `BlockManager.deallocate`; whether its bytes are zero
     before the allocator can hand it out again (read from the pool tensor itself, not the mirror)."""
     bm, pool = engine.block_manager, engine.pool
+    if bm.scrub_policy != "on_free":  # on_alloc zeroes at the next grant, which this probe cannot pick
+        return {"ok": False, "scrub_policy": bm.scrub_policy,
+                "reason": f"unproven: the scrub probe checks on_free; this pool scrubs {bm.scrub_policy}"}
     c = _owner("scrub")
     if not bm.allocate(c, 1):
-        return {"ok": False, "reason": "no free page for the scrub probe now"}
+        return {"ok": False, "reason": "busy: no free page for the scrub probe now"}
     page = c.block_table[0]
     pool.data[page].fill_(7.0)
     bm.mark_written(c, 1)

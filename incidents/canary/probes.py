@@ -111,7 +111,7 @@ def _judge_handoff(w, cases: list[dict], records: dict, outputs) -> dict:
     return results
 
 
-def check_live_probes(wait_s: float | None = None) -> CheckResult:
+def check_live_probes(wait_s: float | None = None, key: bytes | None = None) -> CheckResult:
     from kvserve.chat.runtime import handoff_key
 
     started = time.perf_counter()
@@ -123,7 +123,7 @@ def check_live_probes(wait_s: float | None = None) -> CheckResult:
     r = redis_get()
     prefix = live.prefix()
     records_store, transport = ProbeRecords(r, prefix), RedisTransport(r, prefix, ttl_s=int(wait_s) + 60)
-    key, run, tenant = handoff_key(), uuid.uuid4().hex[:8], canary_key(TENANT_B).tenant
+    key, run, tenant = key or handoff_key(), uuid.uuid4().hex[:8], canary_key(TENANT_B).tenant
     from incidents.tasks import probe
 
     sent: dict[str, dict] = {}  # worker -> {"probes": {name: id}, "handoff": cases}
@@ -166,7 +166,7 @@ def check_live_probes(wait_s: float | None = None) -> CheckResult:
         failed = [n for n, c in checks.items() if not c["ok"]]
         report[worker_id] = {"role": w.role, "passed": not failed, "failed": failed, "checks": checks}
         for name in failed:
-            unreachable = str(checks[name].get("reason", "")).startswith("unreachable")
+            unreachable = str(checks[name].get("reason", "")).startswith(("unreachable", "busy", "unproven"))  # unproven
             incidents.append(IncidentSpec(
                 kind="canary_leak" if unreachable else INCIDENT_KIND[name], severity="warning" if unreachable else "critical",
                 worker=worker_id, pool=worker_id,

@@ -192,3 +192,27 @@ def test_reproduction_without_workers_is_vacuous(registry):
 
 def test_canary_settings_exist():
     assert settings.KVSERVE_CANARY_TIMEOUT_S > 0 and settings.KVSERVE_CANARY_LOCK_S > 0
+
+
+# ---- live probes (the probes themselves run in real workers: tests/e2e/test_canary.py) -----------------
+
+def test_live_probes_fail_for_workers_they_cannot_reach_naming_each(registry, make_worker):
+    from incidents.canary.probes import check_live_probes
+
+    live_worker(registry, make_worker, "prefill", worker_id="prefill-nodq")  # registered without a direct queue
+    live_worker(registry, make_worker, "decode", worker_id="decode-nodq")
+    result = check_live_probes(wait_s=1, key=KEY)
+    assert not result.passed
+    workers = result.details["workers"]
+    assert workers["prefill-nodq"]["failed"] == ["guard", "scrub"]
+    assert workers["decode-nodq"]["failed"] == ["guard", "scrub", "handoff"]
+    assert all(c["reason"].startswith("unreachable") for w in workers.values() for c in w["checks"].values())
+    assert {(i.worker, i.severity) for i in result.incidents} == {("prefill-nodq", "warning"), ("decode-nodq", "warning")}
+
+
+def test_live_probes_without_serving_workers_are_vacuous(registry, make_worker):
+    from incidents.canary.probes import check_live_probes
+
+    live_worker(registry, make_worker, "prefill", worker_id="prefill-alone")
+    result = check_live_probes(wait_s=1, key=KEY)
+    assert not result.passed and result.details["reason"].startswith("vacuous")
