@@ -56,6 +56,9 @@ def ask(stack) -> tuple[httpx.Response, dict]:
     r = httpx.post(stack.url + "/v1/chat/completions", timeout=120, headers={"Authorization": f"Bearer {stack.api_key}"},
                    json={"messages": MESSAGES, "max_tokens": 8, "temperature": 0.0})
     (row,) = [x for x in db(stack, "select * from chat_chatrequest") if x["id"] not in before]
+    # the answer comes from the stream, before the worker's task writes the row's end: wait for it
+    row = wait_for(lambda: (x := db(stack, "select * from chat_chatrequest where id = ?", row["id"])[0])["status"]
+                   in ("done", "failed", "rejected") and x, what="the row to end")
     return r, row
 
 
@@ -92,8 +95,9 @@ def test_a_violation_in_a_decode_worker_fails_closed_is_an_incident_quarantines_
     assert r.status_code == 503 and body["error"]["code"] == "kv_isolation_violation" and "choices" not in body
     assert (row["status"], row["error_code"], row["completion_text"]) == ("failed", "kv_isolation_violation", None)
     # 2. the incident: reader, page, previous owner, epochs, worker
-    (incident,) = wait_for(lambda: db(stack, "select * from incidents_incident where reader_request = ?", row["id"]),
-                           what="the incident")
+    # incident_record saves the row, then quarantines and marks it: wait for the mark
+    (incident,) = wait_for(lambda: db(stack, "select * from incidents_incident where reader_request = ? and "
+                                             "quarantined = 1", row["id"]), what="the incident, marked quarantined")
     epochs = json.loads(incident["epochs"])
     assert (incident["kind"], incident["severity"], incident["worker"], incident["quarantined"]) == (
         "foreign_read", "critical", ids["faulty"], 1)
