@@ -9,12 +9,22 @@ from incidents.pools import pool_state_list
 from kvserve.workers import registry_get
 
 
+def _per_worker(details) -> dict:
+    """{worker: {probe: passed}} for a check whose details list live probes per worker (live_probes)."""
+    workers = details.get("workers") if isinstance(details, dict) else None
+    if not isinstance(workers, dict):
+        return {}
+    return {w: {name: bool(r.get("ok")) for name, r in v["checks"].items() if isinstance(r, dict)}
+            for w, v in workers.items() if isinstance(v, dict) and isinstance(v.get("checks"), dict)}
+
+
 def canary_latest_get() -> dict | None:
     run = CanaryRun.objects.first()  # ordered newest first
     if run is None:
         return None
     checks = [{"name": str(c.get("name", "?")), "passed": bool(c.get("passed")), "duration_s": c.get("duration_s"),
-               "details": c.get("details", {})} for c in (run.checks or []) if isinstance(c, dict)]
+               "details": c.get("details", {}), "per_worker": _per_worker(c.get("details", {}))}
+              for c in (run.checks or []) if isinstance(c, dict)]
     return {"id": run.pk, "started_at": run.started_at.isoformat(),
             "finished_at": run.finished_at.isoformat() if run.finished_at else None,
             "passed": run.passed, "checks": checks}

@@ -107,3 +107,26 @@ def worker_release(worker_id: str, by_user, *, notes: str = "") -> WorkerRelease
     log.warning("worker %s released from quarantine by %s (was quarantined: %s, reason: %s)",
                 worker_id, by_user, was_quarantined, reason)
     return release
+
+
+def probe_record(probe_id: str, record: dict) -> None:
+    """Stores what a live probe found (inference.probes.ProbeRecords), for the canary that sent it."""
+    from django.conf import settings
+
+    from inference.probes import ProbeRecords
+    from kvserve.workers import redis_get
+
+    ProbeRecords(redis_get(), settings.KVSERVE_LEDGER_PREFIX).put(probe_id, record)
+
+
+def probe_run(name: str, probe_id: str) -> None:
+    """Runs canary probe `name` in this worker process's engine and stores its result, naming the worker."""
+    from kvserve.chat.runtime import runtime_get
+
+    runtime = runtime_get()
+    try:
+        result = runtime.probe(name)
+    except Exception as exc:
+        log.exception("canary probe %s failed in this worker", name)
+        result = {"ok": False, "reason": f"the probe raised {type(exc).__name__}: {exc}"}
+    probe_record(probe_id, {"probe": name, "worker": runtime.worker_id, "role": runtime.role, **result})

@@ -27,3 +27,11 @@ def canary(only: list[str] | None = None, skip: list[str] | None = None) -> dict
         return {"id": run.pk, "passed": run.passed}
     finally:
         r.eval(_UNLOCK, 1, key, token)
+
+
+@shared_task(name="kvserve.probe", ignore_result=True)
+def probe(name: str, probe_id: str) -> None:
+    """A canary live probe, sent to one worker's direct queue: runs in that worker's engine loop."""
+    from incidents.services import probe_run
+
+    probe_run(name, probe_id)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from inference import admission
 from inference.allocator import LocalAllocator, PageAllocator
 from inference.attention import select_backend
 from inference.block_manager import BlockManager, OwnershipViolation, Violation
@@ -134,15 +135,12 @@ class Engine:
 
     @property
     def effective_limit(self) -> int:
-        return min(self.window, self.capacity_tokens, self.model.config.max_position)
+        return admission.serving_limit(self.window, self.capacity_tokens, self.model.config.max_position)
 
     def admission_error(self, num_prompt_tokens: int, max_tokens: int) -> str | None:
-        """Why a request can never run here, or None. Nothing is reserved either way."""
-        total = num_prompt_tokens + max_tokens
-        if total > self.effective_limit:
-            return (f"prompt_tokens {num_prompt_tokens} + max_tokens {max_tokens} = {total} exceeds this engine's "
-                    f"limit of {self.effective_limit} tokens (window {self.window}, pool {self.capacity_tokens})")
-        return None
+        """Why a request can never run here, or None (inference.admission). Nothing is reserved either way."""
+        return admission.admission_error(num_prompt_tokens, max_tokens, self.effective_limit,
+                                         f"window {self.window}, pool {self.capacity_tokens}")
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     prefill_only: bool = False) -> Sequence:

@@ -16,6 +16,8 @@ KNOWN_FAULTS = {
     "no_admission": "overlong prompts are not refused at admission",
     "no_handoff_check": "decode accepts any handoff verdict and counts",
     "placeholder_on_reject": "prefill swaps a rejected prompt for a 1-token placeholder (the incident)",
+    "foreign_page_once": "the first request a decode worker admits gets a page it does not own in its block table "
+                         "(another running request's, else a bystander's): the read guard must stop it",
 }
 
 

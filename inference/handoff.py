@@ -1,12 +1,22 @@
-"""The prefill→decode handoff: a typed, HMAC-signed message with an explicit verdict and the
-expected and transferred token counts. Decode accepts only a valid OK whose counts, checksums,
-model and page geometry match; everything else is refused (fails closed)."""
+"""The prefill→decode handoff: a typed, HMAC-signed message with an explicit verdict, the expected and
+transferred token counts and the transported blob's shape and dtype. Owns the one acceptance rule
+(`handoff_accept`, called by the decode worker, the sandbox and the canary) and the one builder of a
+handoff that carries no KV (`handoff_refusal`). Everything decode does not accept is refused (fails closed)."""
 import enum
 import hashlib
 import hmac
 import json
 import time
 from dataclasses import asdict, dataclass, field, replace
+from typing import Callable
+
+import numpy as np
+import torch
+
+from inference.kv_cache import cdiv, page_checksums
+
+# the only dtypes a transported blob may carry (decoded with a fixed table, never getattr(torch, <input>))
+KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class Verdict(str, enum.Enum):
@@ -30,6 +40,8 @@ class Handoff:
     page_size: int
     dtype: str
     prefill_worker: str
+    blob_shape: tuple[int, ...] = ()  # the transported blob's shape [pages, layers, 2, page_size, kv_heads, head_dim]
+    blob_dtype: str = ""  # the transported blob's dtype (one of KV_DTYPES); both signed with the rest
     first_token: int | None = None
     first_logprobs: list | None = None  # the first token's (logprob, [[id, logprob], ...]) when the request asked
     created_at: float = field(default_factory=time.time)
@@ -60,6 +72,7 @@ class Handoff:
             d["verdict"] = Verdict(d["verdict"])
             d["page_checksums"] = tuple(d["page_checksums"])
             d["page_epochs"] = tuple(d["page_epochs"])
+            d["blob_shape"] = tuple(int(n) for n in d.get("blob_shape") or ())
             return cls(**d)
         except (KeyError, TypeError, ValueError) as exc:
             raise HandoffRefused("handoff_forged", f"malformed handoff: {exc}") from exc
@@ -78,23 +91,107 @@ class HandoffRefused(Exception):
         return self.kind != "rejected"
 
 
-def verify_for_decode(h: Handoff, key: bytes, *, fingerprint: str, page_size: int, dtype: str,
-                      check: bool = True) -> None:
-    """Raises HandoffRefused unless decode may proceed. `check=False` only under fault injection."""
-    if not check:
-        return
+def handoff_refusal(verdict: Verdict, reason: str, *, request_id: str, expected_tokens: int, model_fingerprint: str,
+                    page_size: int, dtype: str, prefill_worker: str) -> Handoff:
+    """The one builder of a handoff that sends no KV (REJECTED, ABORTED, FAILED): nothing taken, nothing sent."""
+    if verdict is Verdict.OK:
+        raise ValueError("an OK handoff carries KV: build it from the exported pages")
+    return Handoff(request_id=request_id, verdict=verdict, reason=reason, expected_tokens=expected_tokens,
+                   transferred_tokens=0, num_pages=0, page_checksums=(), page_epochs=(),
+                   model_fingerprint=model_fingerprint, page_size=page_size, dtype=dtype, prefill_worker=prefill_worker)
+
+
+@dataclass(frozen=True)
+class DecodeSide:
+    """What the decode side expects of a handoff: the task's request, its prompt length, and its own engine's
+    model, page geometry ([layers, 2, page_size, kv_heads, head_dim] per page) and dtype."""
+
+    request_id: str
+    prompt_tokens: int
+    fingerprint: str
+    page_size: int
+    dtype: str
+    page_shape: tuple[int, ...] | None = None  # None: not checked (a caller without an engine)
+
+
+@dataclass(frozen=True)
+class TransportedKV:
+    """What a transport hands back for a request: the metadata stored with the blob, and its raw bytes."""
+
+    meta: dict
+    raw: bytes
+
+
+def handoff_accept(message: "dict | Handoff", key: bytes, side: DecodeSide,
+                   take: Callable[[str], "TransportedKV | None"], *, check: bool = True) -> tuple[Handoff, torch.Tensor]:
+    """The one acceptance rule for a prefill→decode handoff; (handoff, blob) or HandoffRefused.
+
+    Before any KV is pulled: signature, verdict, counts, the request-id and prompt-length binding, model,
+    page geometry, dtype whitelist and the signed blob shape. Then `take(request_id)` pulls the KV once;
+    it is accepted only when its stored epochs are the handoff's (the fence), its stored shape and dtype are
+    the signed ones, its bytes are exactly that many, and every page checksum matches.
+    `check=False` (fault `no_handoff_check` only) skips the contract; the blob's own checks always run."""
+    h = message if isinstance(message, Handoff) else Handoff.from_dict(message)
+    if check:
+        _check_contract(h, key, side)
+    kv = take(h.request_id)
+    if kv is None:
+        raise HandoffRefused("kv_missing", f"no KV for {h.request_id}: expired, already pulled, or never sent")
+    return h, _blob_of(h, kv)
+
+
+def _check_contract(h: Handoff, key: bytes, side: DecodeSide) -> None:
     if not h.has_valid_signature(key):
         raise HandoffRefused("handoff_forged", "signature does not verify with this deployment's handoff key")
     if h.verdict is not Verdict.OK:
         raise HandoffRefused("rejected", f"prefill verdict {h.verdict.value}: {h.reason}")
+    if h.request_id != side.request_id or h.expected_tokens != side.prompt_tokens:
+        raise HandoffRefused("handoff_mismatch", f"handoff is for {h.request_id} with {h.expected_tokens} tokens, "
+                                                 f"the task for {side.request_id} with {side.prompt_tokens}")
     if h.transferred_tokens != h.expected_tokens:
         raise HandoffRefused("handoff_mismatch",
                              f"transferred {h.transferred_tokens} tokens, expected {h.expected_tokens}")
-    if h.model_fingerprint != fingerprint:
-        raise HandoffRefused("handoff_mismatch", f"KV from model {h.model_fingerprint}, decode serves {fingerprint}")
-    if h.page_size != page_size or h.dtype != dtype:
-        raise HandoffRefused("handoff_mismatch", f"page size/dtype {h.page_size}/{h.dtype}, decode uses {page_size}/{dtype}")
-    pages = -(-h.expected_tokens // page_size)
+    if h.model_fingerprint != side.fingerprint:
+        raise HandoffRefused("handoff_mismatch", f"KV from model {h.model_fingerprint}, decode serves {side.fingerprint}")
+    if h.page_size != side.page_size or h.dtype != side.dtype:
+        raise HandoffRefused("handoff_mismatch",
+                             f"page size/dtype {h.page_size}/{h.dtype}, decode uses {side.page_size}/{side.dtype}")
+    pages = cdiv(h.expected_tokens, side.page_size)
     if h.num_pages != pages or len(h.page_checksums) != pages or len(h.page_epochs) != pages:
         raise HandoffRefused("handoff_mismatch", f"{h.num_pages} pages / {len(h.page_checksums)} checksums for "
                                                  f"{h.expected_tokens} tokens (need {pages})")
+    if h.blob_dtype not in KV_DTYPES:
+        raise HandoffRefused("handoff_mismatch", f"blob dtype {h.blob_dtype!r} is not one of {sorted(KV_DTYPES)}")
+    shape = tuple(h.blob_shape)
+    if len(shape) != 6 or shape[0] != pages or shape[3] != side.page_size or \
+            (side.page_shape is not None and shape[1:] != tuple(side.page_shape)):
+        raise HandoffRefused("handoff_mismatch", f"blob shape {list(shape)} is not {pages} pages of "
+                                                 f"{list(side.page_shape or ('?', 2, side.page_size, '?', '?'))}")
+
+
+def _blob_of(h: Handoff, kv: TransportedKV) -> torch.Tensor:
+    meta = kv.meta
+    if tuple(meta.get("epochs") or ()) != tuple(h.page_epochs):
+        raise HandoffRefused("stale_epoch", f"KV epochs {meta.get('epochs')} do not match the handoff's "
+                                            f"{list(h.page_epochs)}")
+    dtype, shape = meta.get("dtype"), tuple(int(n) for n in meta.get("shape") or ())
+    if dtype not in KV_DTYPES or dtype != h.blob_dtype or shape != tuple(h.blob_shape):
+        raise HandoffRefused("handoff_mismatch", f"KV blob is {dtype} {list(shape)}, the signed handoff says "
+                                                 f"{h.blob_dtype} {list(h.blob_shape)} (allowed: {sorted(KV_DTYPES)})")
+    torch_dtype = KV_DTYPES[dtype]
+    size = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=torch_dtype).element_size() if shape else 0
+    if not shape or len(kv.raw) != size:
+        raise HandoffRefused("handoff_mismatch", f"KV blob has {len(kv.raw)} bytes, {list(shape)} {dtype} needs {size}")
+    flat = torch.from_numpy(np.frombuffer(kv.raw, dtype=np.uint8).copy())
+    blob = flat.view(torch_dtype).reshape(shape)
+    if page_checksums(blob) != list(h.page_checksums):
+        raise HandoffRefused("handoff_mismatch", "page checksums do not match the handoff")
+    return blob
+
+
+def blob_metadata(blob: torch.Tensor) -> dict:
+    """The blob fields an OK handoff signs: its shape and (whitelisted) dtype."""
+    dtype = str(blob.dtype).removeprefix("torch.")
+    if dtype not in KV_DTYPES:
+        raise ValueError(f"KV dtype {dtype} is not one of {sorted(KV_DTYPES)}")
+    return {"blob_shape": tuple(int(n) for n in blob.shape), "blob_dtype": dtype}

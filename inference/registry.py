@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from inference import admission
+
 PREFILL = "prefill"
 DECODE = "decode"
 SERVING_ROLES = (PREFILL, DECODE)
@@ -68,6 +70,9 @@ class WorkerInfo:
     attention_backend: str
     scrub_policy: str
     faults: list[str] = field(default_factory=list)
+    max_position: int = 0  # the model's context length (0: not reported by an older writer)
+    node: str = ""  # the Celery node name: its direct queue reaches this process (canary probes)
+    page_shape: list[int] = field(default_factory=list)  # [layers, 2, page_size, kv_heads, head_dim] per page
     quarantined: bool = False
     started_at: float = 0.0
     heartbeat_at: float = 0.0
@@ -86,8 +91,8 @@ class WorkerInfo:
 
     @property
     def serving_limit(self) -> int:
-        """The most tokens (prompt + output) one request may use on this worker."""
-        return min(self.window, self.capacity_tokens)
+        """The most tokens (prompt + output) one request may use on this worker (inference.admission)."""
+        return admission.serving_limit(self.window, self.capacity_tokens, self.max_position or None)
 
 
 def _text(value: bytes | str | None) -> str | None:
@@ -194,7 +199,7 @@ class Registry:
         serving = {w.role for w in workers if not w.quarantined}
         if not set(SERVING_ROLES) <= serving:
             return None
-        return min(w.serving_limit for w in workers)
+        return admission.deployment_limit(w.serving_limit for w in workers)
 
     def served_window(self) -> int | None:
         """The window the deployment serves: the smallest window a live prefill or decode worker

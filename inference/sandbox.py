@@ -31,13 +31,17 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from inference import admission
 from inference.allocator import LocalAllocator
 from inference.block_manager import OwnershipViolation
 from inference.engine import Engine, EngineConfig
 from inference.faults import Faults
-from inference.handoff import Handoff, HandoffRefused, Verdict, verify_for_decode
+from inference.handoff import DecodeSide, Handoff, HandoffRefused, Verdict, handoff_accept
 from inference.kv_cache import page_checksums
+from inference.prefill import prefill_export, prefill_handoff, prefill_refusal
+from inference.scheduler import RequestTooLarge
 from inference.sequence import SamplingParams, SeqStatus
+from inference.transport import LocalTransport
 
 ALL_FAULTS = Faults({"no_scrub", "no_admission", "no_handoff_check", "no_ownership_guard", "no_watermark_guard",
                      "placeholder_on_reject"})
@@ -124,6 +128,7 @@ class IncidentReplay:
                              allocator_factory=lambda n: LocalAllocator(n, f"sandbox-decode-{tag}"))
         self.overlong_max_tokens = overlong_max_tokens
         self.previous_max_steps = previous_max_steps
+        self.transport = LocalTransport()
         self.previous: dict = {}
         self.overlong_ids: list[int] = []
 
@@ -134,8 +139,8 @@ class IncidentReplay:
 
     @property
     def admission_limit(self) -> int:
-        """What the API admits: min(window, every pool), as Registry.effective_limit computes it."""
-        return min(self.window, self.prefill.capacity_tokens, self.decode.capacity_tokens)
+        """What the API admits: the smallest pool's serving limit (inference.admission, as the registry has it)."""
+        return admission.deployment_limit([self.prefill.effective_limit, self.decode.effective_limit])
 
     def pools(self) -> dict:
         return {"window": self.window, "prefill_capacity": self.prefill.capacity_tokens,
@@ -203,23 +208,20 @@ class IncidentReplay:
         bm.check_watermark = "no_watermark_guard" not in faults
         try:
             # API admission
-            total = len(ids) + params.max_tokens
-            if "no_admission" not in faults and total > self.admission_limit:
-                out.stopped_by, out.refusal_kind = "admission", "context_length_exceeded"
-                out.reason = f"{total} tokens > limit {self.admission_limit}"
+            refusal = admission.admission_error(len(ids), params.max_tokens, self.admission_limit)
+            if "no_admission" not in faults and refusal:
+                out.stopped_by, out.refusal_kind, out.reason = "admission", "context_length_exceeded", refusal
                 return out
             # prefill
-            handoff, blob = self._prefill(rid, ids, params, faults)
+            handoff = self._prefill(rid, ids, params, faults)
             out.handoff = {"verdict": handoff.verdict.value, "expected_tokens": handoff.expected_tokens,
                            "transferred_tokens": handoff.transferred_tokens, "num_pages": handoff.num_pages}
-            # decode: verify, then reserve and import
+            # decode: accept (the decode worker's own rule), then reserve and import
+            side = DecodeSide(rid, len(ids), self.decode.fingerprint, self.decode.page_size, self.decode.config.dtype,
+                              page_shape=tuple(self.decode.pool.data.shape[1:]))
             try:
-                verify_for_decode(handoff, self.key, fingerprint=self.decode.fingerprint, page_size=self.page_size,
-                                  dtype=self.decode.config.dtype, check="no_handoff_check" not in faults)
-                if blob is None:
-                    raise HandoffRefused("kv_missing", "no KV was sent")
-                if page_checksums(blob) != list(handoff.page_checksums):
-                    raise HandoffRefused("handoff_mismatch", "page checksums do not match the handoff")
+                handoff, blob = handoff_accept(handoff.to_dict(), self.key, side, self.transport.take,
+                                               check="no_handoff_check" not in faults)
             except HandoffRefused as refused:
                 out.stopped_by, out.refusal_kind, out.reason = "handoff", refused.kind, refused.reason
                 return out
@@ -254,34 +256,37 @@ class IncidentReplay:
             out.previous_sentinel_in_output = sentinel_seen(seq.text, self.sentinel)
             return out
         finally:
+            self.transport.discard(rid)
             self._cleanup(rid)
 
-    def _prefill(self, rid: str, ids: list[int], params: SamplingParams, faults: Faults):
-        """(signed handoff, blob or None). An overlong prompt is REJECTED; under `placeholder_on_reject`
+    def _prefill(self, rid: str, ids: list[int], params: SamplingParams, faults: Faults) -> Handoff:
+        """The signed handoff, its KV (if any) sent through the sandbox's transport, by the production prefill
+        stage (inference.prefill). An overlong prompt is REJECTED with nothing sent; under `placeholder_on_reject`
         its first token is prefilled instead and sent, and the handoff says REJECTED, 1 of len(ids)."""
-        e = self.prefill
-        base = dict(request_id=rid, expected_tokens=len(ids), model_fingerprint=e.fingerprint, page_size=self.page_size,
-                    dtype=e.config.dtype, prefill_worker=e.block_manager.pool_id)
-        reason = e.admission_error(len(ids), params.max_tokens)
-        prompt = ids
-        if reason:
+        e, worker = self.prefill, self.prefill.block_manager.pool_id
+        refused, prompt = None, ids
+        try:
+            seq = e.add_request(rid, ids, params, prefill_only=True)  # the worker's admission re-check
+        except RequestTooLarge as exc:
+            refused = prefill_refusal(e, rid, ids, worker, Verdict.REJECTED, str(exc))
             if "placeholder_on_reject" not in faults:
-                return Handoff(verdict=Verdict.REJECTED, reason=reason, transferred_tokens=0, num_pages=0,
-                               page_checksums=(), page_epochs=(), **base).signed(self.key), None
+                return refused.signed(self.key)
             prompt = ids[:1]
-        seq = e.add_request(rid, prompt, params, prefill_only=True)
+            seq = e.add_request(rid, prompt, params, prefill_only=True)
         while not seq.is_done:
             e.step()
         if seq.status is not SeqStatus.PREFILLED:
             raise RuntimeError(f"sandbox prefill failed: {seq.error}")
-        blob, sums = e.export_kv(seq)
-        epochs = tuple(seq.page_epochs[: blob.shape[0]])
-        e.release(seq)
+        exported = prefill_export(e, seq)
         e.seqs.pop(rid, None)
-        verdict = Verdict.REJECTED if reason else Verdict.OK
-        return Handoff(verdict=verdict, reason=reason or "", transferred_tokens=len(prompt), num_pages=blob.shape[0],
-                       page_checksums=tuple(sums), page_epochs=epochs, first_token=seq.output_ids[0],
-                       **base).signed(self.key), blob
+        if refused is not None:
+            handoff = prefill_handoff(e, rid, ids, worker, exported, verdict=Verdict.REJECTED, reason=refused.reason,
+                                      transferred=len(prompt))
+        else:
+            handoff = prefill_handoff(e, rid, ids, worker, exported)
+        handoff = handoff.signed(self.key)
+        self.transport.send(handoff, exported.blob)
+        return handoff
 
     def _stale_pages(self, record: dict) -> list[int]:
         """Pages in the reader's read range whose slots it needs were not written for it and whose bytes

@@ -34,11 +34,13 @@ import torch
 from inference.allocator import LedgerError, PoolLost
 from inference.cancel import Cancel, Cancellations
 from inference.engine import Engine, EngineConfig
-from inference.handoff import Handoff, HandoffRefused, Verdict, verify_for_decode
+from inference.handoff import DecodeSide, Handoff, Verdict, handoff_accept
 from inference.host_ledger import UNREACHABLE, HostLedger
 from inference.ledger import RedisLedger, check_eviction_policy
 from inference.loader import load_model, model_name
 from inference.metrics import WorkerMetrics
+from inference.prefill import Exported, prefill_export, prefill_handoff, prefill_refusal
+from inference.probes import PROBES
 from inference.registry import Registry, WorkerInfo, WorkerNotRegistered
 from inference.scheduler import RequestTooLarge
 from inference.sequence import SamplingParams, Sequence, SeqStatus
@@ -188,9 +190,17 @@ class StopCommand:
     pass
 
 
+@dataclass(frozen=True)
+class ProbeCommand:
+    """A canary probe (inference.probes) run by the loop on the engine; its result goes to `future`."""
+
+    name: str
+    future: Future = field(default_factory=Future, compare=False)
+
+
 class WorkerRuntime:
     def __init__(self, role: str, redis, handoff_key: bytes, *, model=None, config: EngineConfig | None = None,
-                 options: RuntimeOptions | None = None, on_violation=None, on_reclaim=None, on_lease_lost=None,
+                 options: RuntimeOptions | None = None, node: str = "", on_violation=None, on_reclaim=None, on_lease_lost=None,
                  on_quarantine=None, on_fatal=None):
         self.role = role
         self.redis = redis
@@ -203,6 +213,7 @@ class WorkerRuntime:
         config.window = check_window(num_pages, config.page_size, config.window or model.config.max_position,
                                      opts.clamp_window)
         self.worker_id = new_worker_id(role)
+        self.node = node  # the Celery node name (its direct queue carries canary probes to this process)
         hosts = []
 
         def allocator(n: int) -> HostLedger:
@@ -236,6 +247,7 @@ class WorkerRuntime:
         self._failures = 0
         self._dying = threading.Event()
         self._consuming = True  # whether this worker consumes its queue (quarantine stops it)
+        self._bystander: Sequence | None = None  # fault foreign_page_once: whose page it handed out (once)
         self._stop = threading.Event()
         self.registry.register(self.info())
         self._threads = [threading.Thread(target=self._loop, name="engine-loop", daemon=True),
@@ -250,6 +262,8 @@ class WorkerRuntime:
             num_pages=e.num_pages, page_size=e.page_size, capacity_tokens=e.capacity_tokens, window=e.window,
             model_fingerprint=e.fingerprint, dtype=e.config.dtype, device=e.device,
             attention_backend=e.attention_backend, scrub_policy=e.scrub_policy, faults=sorted(e.config.faults),
+            max_position=e.model.config.max_position, node=self.node,
+            page_shape=[int(n) for n in e.pool.data.shape[1:]],
             started_at=time.time(), heartbeat_at=time.time(),
         )
 
@@ -265,45 +279,44 @@ class WorkerRuntime:
         cannot be held here. RequestFailed when the request could not be prefilled. `still_wanted()` is
         asked just before the KV is sent; False (the request ended or was taken over meanwhile) sends
         nothing and returns an ABORTED handoff."""
-        e = self.engine
-        base = dict(request_id=request_id, expected_tokens=len(prompt_ids), model_fingerprint=e.fingerprint,
-                    page_size=e.page_size, dtype=e.config.dtype, prefill_worker=self.worker_id)
-        empty = dict(transferred_tokens=0, num_pages=0, page_checksums=(), page_epochs=())
-        reason = e.admission_error(len(prompt_ids), params.max_tokens)
-        if reason:  # never a placeholder: a prompt that cannot be held ends REJECTED, nothing taken or sent
-            return Handoff(verdict=Verdict.REJECTED, reason=reason, **empty, **base).signed(self.handoff_key)
-        try:
-            first, blob, sums, epochs, first_logprobs = self._run(PrefillCommand(request_id, prompt_ids, params),
-                                                                  timeout_s)
-        except RequestTooLarge as exc:
-            return Handoff(verdict=Verdict.REJECTED, reason=str(exc), **empty, **base).signed(self.handoff_key)
+        e, key = self.engine, self.handoff_key
+        try:  # the admission re-check is the engine's (Engine.add_request, in the loop): RequestTooLarge
+            exported: Exported = self._run(PrefillCommand(request_id, prompt_ids, params), timeout_s)
+        except RequestTooLarge as exc:  # never a placeholder: it ends REJECTED, nothing taken or sent
+            return prefill_refusal(e, request_id, prompt_ids, self.worker_id, Verdict.REJECTED, str(exc)).signed(key)
         if still_wanted is not None and not still_wanted():
-            return Handoff(verdict=Verdict.ABORTED, reason="the request ended while it was prefilled", **empty,
-                           **base).signed(self.handoff_key)
-        handoff = Handoff(verdict=Verdict.OK, reason="", transferred_tokens=len(prompt_ids), num_pages=blob.shape[0],
-                          page_checksums=tuple(sums), page_epochs=tuple(epochs), first_token=first,
-                          first_logprobs=first_logprobs, **base).signed(self.handoff_key)
-        self.transport.send(handoff, blob)
+            return prefill_refusal(e, request_id, prompt_ids, self.worker_id, Verdict.ABORTED,
+                                   "the request ended while it was prefilled").signed(key)
+        handoff = prefill_handoff(e, request_id, prompt_ids, self.worker_id, exported).signed(key)
+        self.transport.send(handoff, exported.blob)
         return handoff
+
+    def decode_side(self, request_id: str, prompt_ids: list[int]) -> DecodeSide:
+        """What this worker's engine expects of a handoff for `request_id`."""
+        e = self.engine
+        return DecodeSide(request_id, len(prompt_ids), e.fingerprint, e.page_size, e.config.dtype,
+                          page_shape=tuple(e.pool.data.shape[1:]))
 
     def decode(self, request_id: str, prompt_ids: list[int], params: SamplingParams, handoff: dict,
                timeout_s: float = 3600) -> Sequence:
-        """Verifies the handoff (HandoffRefused otherwise), pulls the KV, then decodes to the end, publishing
-        output events; the finished sequence, or RequestFailed. Pages are allocated only after verification."""
-        e = self.engine
-        h = Handoff.from_dict(handoff)
-        verify_for_decode(h, self.handoff_key, fingerprint=e.fingerprint, page_size=e.page_size,
-                          dtype=e.config.dtype, check="no_handoff_check" not in e.config.faults)
-        if h.request_id != request_id or h.expected_tokens != len(prompt_ids):
-            raise HandoffRefused("handoff_mismatch", f"handoff is for {h.request_id} with {h.expected_tokens} "
-                                                     f"tokens, the task for {request_id} with {len(prompt_ids)}")
+        """Accepts the handoff and pulls its KV (`handoff_accept`: HandoffRefused otherwise), then decodes to the
+        end, publishing output events; the finished sequence, or RequestFailed. Pages are allocated only after."""
         started = time.perf_counter()
-        blob = self.transport.receive(h)
+        h, blob = handoff_accept(handoff, self.handoff_key, self.decode_side(request_id, prompt_ids),
+                                 self.transport.take, check="no_handoff_check" not in self.engine.config.faults)
         transfer_ms = (time.perf_counter() - started) * 1000
         seq = self._run(DecodeCommand(request_id, prompt_ids, params, h.first_token, blob, h.transferred_tokens,
                                       h.first_logprobs), timeout_s)
         seq.transfer_ms = round(transfer_ms, 2)
         return seq
+
+    def probe(self, name: str, timeout_s: float = 30) -> dict:
+        """Runs canary probe `name` (inference.probes.PROBES) in the engine loop; its result."""
+        if name not in PROBES:
+            raise ValueError(f"unknown probe {name!r}; known: {sorted(PROBES)}")
+        cmd = ProbeCommand(name)
+        self._commands.put(cmd)
+        return cmd.future.result(timeout_s)
 
     def stop(self) -> None:
         self._stop.set()
@@ -409,6 +422,8 @@ class WorkerRuntime:
         elif isinstance(cmd, (ReclaimCommand, LeaseCheckCommand)):
             if self._pool_down is None and cmd.generation == self.ledger.generation:
                 self._reclaim(cmd.pages) if isinstance(cmd, ReclaimCommand) else self._check_leases(cmd.owners)
+        elif isinstance(cmd, ProbeCommand):
+            cmd.future.set_result(PROBES[cmd.name](self.engine))
         elif isinstance(cmd, CancelCommand):
             if cmd.cancel.request_id in self._futures:
                 self._fail(cmd.cancel.request_id, cmd.cancel.code, cmd.cancel.message)
@@ -452,11 +467,36 @@ class WorkerRuntime:
             if seq is None:
                 return  # does not fit now; retried after the next step frees pages
             self._pending.popleft()
+            if "foreign_page_once" in self.engine.config.faults and not seq.is_done and self._bystander is None:
+                self._misroute_first_page(seq)
             self.metrics.on_token(rid, seq.is_done)
             if seq.text or cmd.first_logprobs:
                 self._publish([(rid, delta_event(seq.text, cmd.first_token, cmd.first_logprobs))])
             if seq.is_done:
                 self._finish([seq], self._host.take_refused())
+
+    def _misroute_first_page(self, seq: Sequence) -> None:
+        """Fault `foreign_page_once` (tests only; announced at start and registered): once per process, the
+        block table of `seq` is made to point at a page it does not own — another running request's first
+        page, else a page granted for this in the real pool and ledger to a bystander owner (freed after the
+        next step). Nothing else changes: whatever stops the read is the engine's own guard."""
+        e = self.engine
+        others = [s for s in e.seqs.values() if s is not seq and s.block_table and not s.is_done]
+        if others:
+            page, self._bystander = others[0].block_table[0], others[0]
+        else:
+            bystander = Sequence(f"fault-bystander-{uuid.uuid4().hex[:8]}", [0], SamplingParams(max_tokens=1))
+            if not e.block_manager.allocate(bystander, 1):
+                return
+            page, self._bystander = bystander.block_table[0], bystander
+        log.error("FAULT foreign_page_once: request %s's block table now points at page %d (owner %s)",
+                  seq.request_id, page, self._bystander.request_id)
+        seq.block_table[0] = page
+
+    def _free_bystander(self) -> None:
+        b = self._bystander
+        if b is not None and b.request_id.startswith("fault-bystander-") and b.block_table:
+            self.engine.block_manager.deallocate(b)
 
     def _handle(self, events) -> None:
         e = self.engine
@@ -465,10 +505,7 @@ class WorkerRuntime:
         for ev in events:
             seq = ev.seq
             if seq.prefill_only and seq.status is SeqStatus.PREFILLED:
-                blob, sums = e.export_kv(seq)
-                exported[seq.request_id] = (seq.output_ids[0], blob, sums, seq.page_epochs[: blob.shape[0]],
-                                            ev.logprobs)
-                e.release(seq)
+                exported[seq.request_id] = prefill_export(e, seq, ev.logprobs)
             elif ev.text_delta or ev.logprobs:
                 out.append((seq.request_id, delta_event(ev.text_delta, ev.token, ev.logprobs)))
             if ev.finished:
@@ -480,6 +517,7 @@ class WorkerRuntime:
             if rid in self._futures:
                 self._lease_lost(rid, ())
         e.pop_finished()
+        self._free_bystander()
         for violation in e.take_violations():  # each already failed its request closed, with its error event
             self.metrics.on_violation(violation.kind)
             try:

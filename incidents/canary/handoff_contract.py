@@ -1,11 +1,12 @@
 """The prefill->decode handoff contract, checked against the code decode runs: for every live decode
 worker, handoffs are built and signed with the deployment's handoff key, a real blob goes through
 `RedisTransport` under a canary request id, and each is taken through what `WorkerRuntime.decode` does
-before it reserves a page (the task's JSON round trip, `verify_for_decode` with the worker's fingerprint,
-page size, dtype and fault configuration, then `RedisTransport.receive`).
+before it reserves a page (the task's JSON round trip, then `inference.handoff.handoff_accept` with the
+worker's fingerprint, page size, dtype and fault configuration, pulling the blob from `RedisTransport`).
 
 A valid handoff must be accepted (else the check proves nothing); REJECTED, truncated, bad-checksum,
-bad-signature and stale-epoch handoffs must each be refused with the right kind."""
+bad-signature, stale-epoch, replayed-onto-another-request and mislabelled-blob handoffs must each be refused
+with the right kind."""
 import json
 import time
 import uuid
@@ -13,7 +14,8 @@ from dataclasses import replace
 
 import torch
 
-from inference.handoff import Handoff, HandoffRefused, Verdict, verify_for_decode
+from inference.handoff import DecodeSide, Handoff, HandoffRefused, Verdict, handoff_accept
+from inference.handoff import blob_metadata
 from inference.kv_cache import page_checksums
 from inference.transport import RedisTransport
 from incidents.canary import live
@@ -28,10 +30,13 @@ EXPECTED = {
     "bad_checksum": "handoff_mismatch",
     "bad_signature": "handoff_forged",
     "stale_epoch": "stale_epoch",
+    "wrong_request": "handoff_mismatch",
+    "blob_dtype": "handoff_mismatch",
 }
 # the incident kind when a case is wrongly accepted (or refused for the wrong reason)
 INCIDENT_KIND = {"rejected": "handoff_mismatch", "truncated": "handoff_mismatch", "bad_checksum": "handoff_mismatch",
-                 "bad_signature": "handoff_forged", "stale_epoch": "stale_epoch"}
+                 "bad_signature": "handoff_forged", "stale_epoch": "stale_epoch",
+                 "wrong_request": "handoff_mismatch", "blob_dtype": "handoff_mismatch"}
 
 
 def _blob(num_pages: int, page_size: int, dtype: str) -> torch.Tensor:
@@ -40,8 +45,8 @@ def _blob(num_pages: int, page_size: int, dtype: str) -> torch.Tensor:
     return torch.randn(num_pages, 1, 2, page_size, 1, 4, generator=gen).to(getattr(torch, dtype, torch.float32))
 
 
-def _cases(run: str, worker, key: bytes) -> list[tuple[str, Handoff, Handoff, torch.Tensor]]:
-    """(case, handoff sent with the blob, handoff decode receives, blob) per case."""
+def _cases(run: str, worker, key: bytes) -> list[tuple[str, Handoff, Handoff, torch.Tensor, str]]:
+    """(case, handoff sent with the blob, handoff decode receives, blob, the task's request id) per case."""
     ps, dtype = worker.page_size, worker.dtype
     expected = 2 * ps + 3
     pages = -(-expected // ps)
@@ -52,7 +57,7 @@ def _cases(run: str, worker, key: bytes) -> list[tuple[str, Handoff, Handoff, to
         h = Handoff(request_id=f"canary-hc-{run}-{case}", verdict=verdict, reason=reason, expected_tokens=expected,
                     transferred_tokens=transferred, num_pages=num_pages, page_checksums=tuple(page_checksums(blob)),
                     page_epochs=epochs, model_fingerprint=worker.model_fingerprint, page_size=ps, dtype=dtype,
-                    prefill_worker="canary", first_token=0).signed(key)
+                    prefill_worker="canary", first_token=0, **blob_metadata(blob)).signed(key)
         return h, blob
 
     out = []
@@ -72,15 +77,23 @@ def _cases(run: str, worker, key: bytes) -> list[tuple[str, Handoff, Handoff, to
     h, blob = handoff("stale_epoch")
     stale = replace(h, page_epochs=tuple(e + 1 if i == 0 else e for i, e in enumerate(h.page_epochs))).signed(key)
     out.append(("stale_epoch", h, stale, blob))
-    return out
+    # a valid handoff of another canary request, delivered on this request's task (replay)
+    h, blob = handoff("replayed-source")
+    out.append(("wrong_request", h, h, blob))
+    # the blob's dtype is not the signed one (same bytes, relabelled)
+    h, blob = handoff("blob_dtype")
+    out.append(("blob_dtype", h, replace(h, blob_dtype="float64").signed(key), blob))
+    return [(case, sent, got, blob, f"canary-hc-{run}-{case}") for case, sent, got, blob in out]
 
 
-def decode_side(message: dict, key: bytes, worker, transport: RedisTransport) -> torch.Tensor:
-    """What a decode worker does with a handoff before it reserves pages (inference.worker.WorkerRuntime.decode)."""
-    h = Handoff.from_dict(json.loads(json.dumps(message)))  # as the Celery task receives it
-    verify_for_decode(h, key, fingerprint=worker.model_fingerprint, page_size=worker.page_size, dtype=worker.dtype,
-                      check="no_handoff_check" not in worker.faults)
-    return transport.receive(h)
+def decode_side(message: dict, key: bytes, worker, transport: RedisTransport, request_id: str) -> torch.Tensor:
+    """What a decode worker does with a handoff before it reserves pages: the task's JSON round trip, then the
+    one acceptance rule (inference.handoff.handoff_accept) with that worker's geometry and fault configuration."""
+    side = DecodeSide(request_id, json.loads(json.dumps(message)).get("expected_tokens", -1),
+                      worker.model_fingerprint, worker.page_size, worker.dtype)
+    _, blob = handoff_accept(json.loads(json.dumps(message)), key, side, transport.take,
+                             check="no_handoff_check" not in worker.faults)
+    return blob
 
 
 def check_handoff_contract(key: bytes | None = None) -> CheckResult:
@@ -96,11 +109,11 @@ def check_handoff_contract(key: bytes | None = None) -> CheckResult:
     report, incidents, vacuous = {}, [], []
     for worker in workers:
         results = {}
-        for case, sent, received, blob in _cases(f"{run}-{worker.worker_id[-4:]}", worker, key):
+        for case, sent, received, blob, task_request in _cases(f"{run}-{worker.worker_id[-4:]}", worker, key):
             try:
                 transport.send(sent, blob)
                 try:
-                    got = decode_side(received.to_dict(), key, worker, transport)
+                    got = decode_side(received.to_dict(), key, worker, transport, task_request)
                     outcome = "accepted" if torch.equal(got, blob) else "accepted_corrupt"
                 except HandoffRefused as refused:
                     outcome = refused.kind

@@ -17,6 +17,7 @@ from django.utils import timezone
 from incidents.canary.handoff_contract import check_handoff_contract
 from incidents.canary.integrity import check_integrity, check_worker_config
 from incidents.canary.marker import check_marker
+from incidents.canary.probes import check_live_probes
 from incidents.canary.reproduction import check_reproduction
 from incidents.canary.result import CheckResult, IncidentSpec
 from incidents.canary.selftest import check_selftest
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 
 # run in this order: the traffic-free checks first, the marker's traffic before integrity looks at the books
 CHECKS = {
+    "live_probes": check_live_probes,
     "worker_config": check_worker_config,
     "handoff_contract": check_handoff_contract,
     "reproduction": check_reproduction,

@@ -47,7 +47,7 @@ def runtime_start(role: str, **overrides):
     from kvserve.chat.services import (runtime_on_lease_lost, runtime_on_quarantine, runtime_on_reclaim,
                                        runtime_on_violation)
 
-    runtime = WorkerRuntime(role, redis_client(settings.REDIS_URL), handoff_key(),
+    runtime = WorkerRuntime(role, redis_client(settings.REDIS_URL), handoff_key(), node=_runtime.get("hostname", ""),
                             on_violation=runtime_on_violation, on_reclaim=runtime_on_reclaim,
                             on_lease_lost=runtime_on_lease_lost, on_quarantine=runtime_on_quarantine, **overrides)
     _runtime["current"] = runtime

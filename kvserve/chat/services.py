@@ -293,6 +293,13 @@ def _record_safely(record, *args) -> None:
 
 
 def _handoff_incident(runtime, req, refused: HandoffRefused, handoff: dict) -> None:
+    from inference.probes import CANARY_PROBE_PREFIX
+
+    if req.id.startswith(CANARY_PROBE_PREFIX):  # the canary's handoff probe: its record, not an incident
+        from incidents.services import probe_record
+
+        return probe_record(req.id, {"probe": "handoff", "worker": runtime.worker_id, "request": req.id,
+                                     "refused": refused.kind, "reason": refused.reason[:500]})
     if not refused.is_incident or refused.kind == "kv_missing":
         return
     kind = refused.kind if refused.kind in ("handoff_forged", "handoff_mismatch", "stale_epoch") else "handoff_mismatch"

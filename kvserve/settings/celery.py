@@ -30,6 +30,8 @@ CELERY_WORKER_CONCURRENCY = env_int("KVSERVE_WORKER_CONCURRENCY", 64)
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+# every worker also consumes its own direct queue ({node}.dq2): the canary's live probes reach one process
+CELERY_WORKER_DIRECT = True
 # acks_late + reject_on_worker_lost redeliver a task whose worker died, forever if it keeps
 # killing workers. Tasks bound that: see kvserve/celery.py ("Redelivery is bounded").
 KVSERVE_TASK_MAX_DELIVERIES = env_int("KVSERVE_TASK_MAX_DELIVERIES", 3)

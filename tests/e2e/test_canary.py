@@ -2,14 +2,15 @@
 `manage.py canary --json` passes on a healthy stack; with each fault injected into a live worker the
 matching check fails, an incident names that worker, and the worker is quarantined."""
 import json
+import os
 import sqlite3
 import time
 
 import pytest
 
-from tests.e2e.stack import Stack
+from tests.e2e.stack import ROOT, Stack
 
-ALL_CHECKS = ["worker_config", "handoff_contract", "reproduction", "marker", "integrity", "selftest"]
+ALL_CHECKS = ["live_probes", "worker_config", "handoff_contract", "reproduction", "marker", "integrity", "selftest"]
 # fault -> (role of the worker it is injected into, the checks that must then fail)
 FAULTS = {
     "no_handoff_check": ("decode", {"handoff_contract", "worker_config"}),
@@ -125,3 +126,79 @@ def test_each_fault_on_a_live_worker_fails_its_check_and_quarantines_it(canary_s
     assert all(r["ok"] for w in healthy if w.startswith("decode")
                for r in checks["handoff_contract"]["details"]["workers"][w]["cases"].values())
     assert {i[1] for i in incidents} == set(by_fault.values())
+
+
+# ---- live probes: each worker's own code path, broken inside that worker's process -----------------------
+
+# Loaded by the interpreter of the workers it is given to (PYTHONPATH), never by production code: it breaks
+# one check in that process's own code, and registers nothing (no fault string for a canary to read).
+BREAKER = '''
+import os
+_break = os.environ.get("KVSERVE_E2E_BREAK")
+if _break == "guard":
+    from inference.block_manager import BlockManager
+    BlockManager.check_reads = lambda self, seq, num_past, num_new: None
+elif _break == "scrub":
+    from inference.kv_cache import PagePool
+    PagePool.scrub = lambda self, pages: None
+elif _break == "handoff":
+    import inference.handoff
+    inference.handoff._check_contract = lambda *a, **k: None
+'''
+
+
+@pytest.fixture
+def probe_stack(tmp_path, tiny_paths):
+    s = Stack(tmp_path, KVSERVE_MODEL=str(tiny_paths["gguf"]), KVSERVE_WINDOW="2048",
+              KVSERVE_CANARY_CHECK_TIMEOUT_S="120")
+    breaker = tmp_path / "breaker"
+    breaker.mkdir()
+    (breaker / "sitecustomize.py").write_text(BREAKER)
+    s.breaker_path = str(breaker)
+    try:
+        yield s.start()
+    finally:
+        s.close()
+
+
+def live_probes(stack) -> tuple[int, dict, str]:
+    rc, body, log = canary(stack, "--only", "live_probes")
+    (check,) = body["checks"]
+    return rc, check, log
+
+
+@pytest.mark.timeout(600)
+def test_live_probes_pass_on_healthy_workers_and_fail_naming_the_worker_whose_check_is_broken(probe_stack):
+    s = probe_stack
+    rc, check, log = live_probes(s)
+    assert rc == 0 and check["passed"], log
+    workers = check["details"]["workers"]
+    assert {w["role"] for w in workers.values()} == {"prefill", "decode"}
+    for worker_id, w in workers.items():
+        assert w["checks"]["guard"]["worker"] == worker_id and w["checks"]["scrub"]["nonzero_after_free"] == 0
+        if w["role"] == "decode":
+            cases = w["checks"]["handoff"]["cases"]
+            assert set(cases) == {"valid", "rejected_kv", "truncated", "other_key", "replayed", "swapped_blob"}
+            assert cases["valid"]["got"]["status"] == "done" and "delta" not in cases["truncated"]["events"]
+    assert rows(s, "select count(*) from incidents_incident") == [(0,)]
+    # one decode worker per broken check, each broken in its own process (and registering no fault)
+    # the project root too: sitecustomize runs before `python -m` puts the working directory on sys.path
+    pythonpath = os.pathsep.join(filter(None, [s.breaker_path, str(ROOT), os.environ.get("PYTHONPATH")]))
+    for broken in ("guard", "scrub", "handoff"):
+        s.start_worker("decode", name=f"broken-{broken}", KVSERVE_E2E_BREAK=broken, PYTHONPATH=pythonpath)
+    live = s.wait_workers("decode", 4, timeout_s=240)
+    assert not any(w.faults for w in live)
+    rc, check, log = live_probes(s)
+    assert rc == 1 and not check["passed"], log
+    by_name = {wid: set(w["failed"]) for wid, w in check["details"]["workers"].items()}
+    # a worker id is role-host-pid-xxxx; each broken worker is the process the stack started under its name
+    broken_ids = {n: wid for n in ("guard", "scrub", "handoff") for wid in by_name
+                  if int(wid.split("-")[-2]) == s.procs[f"broken-{n}"].pid}
+    assert {n: by_name[wid] for n, wid in broken_ids.items()} == {"guard": {"guard"}, "scrub": {"scrub"},
+                                                                  "handoff": {"handoff"}}
+    assert all(not failed for wid, failed in by_name.items() if wid not in broken_ids.values())
+    incidents = rows(s, "select worker, detected_by, severity from incidents_incident where detected_by like 'canary%'")
+    for name, wid in broken_ids.items():
+        assert (wid, "canary live_probes", "critical") in incidents
+        assert s.registry().is_quarantined(wid)
+

@@ -1,11 +1,12 @@
-"""Canary checks that need live registrations but no engine: handoff contract (against verify_for_decode and
+"""Canary checks that need live registrations but no engine: handoff contract (against inference.handoff.handoff_accept and
 RedisTransport, real Redis DB 15), ledger integrity, worker configuration, and the reproduction test's
 admission probe (a refused request never reaches a worker). Each failing check records an incident and a
 critical one quarantines the worker."""
 import pytest
 from django.conf import settings
 
-from incidents.canary import handoff_contract, reproduction
+from incidents.canary import reproduction
+from inference import handoff
 from incidents.canary.handoff_contract import check_handoff_contract
 from incidents.canary.integrity import check_integrity, check_worker_config
 from incidents.canary.prompts import TENANT_B
@@ -42,7 +43,8 @@ def test_handoff_contract_refuses_each_bad_handoff_with_its_kind(workers, regist
     cases = result.details["workers"]["decode-ok"]["cases"]
     assert {c: r["got"] for c, r in cases.items()} == {
         "valid": "accepted", "rejected": "rejected", "truncated": "handoff_mismatch",
-        "bad_checksum": "handoff_mismatch", "bad_signature": "handoff_forged", "stale_epoch": "stale_epoch"}
+        "bad_checksum": "handoff_mismatch", "bad_signature": "handoff_forged", "stale_epoch": "stale_epoch",
+        "wrong_request": "handoff_mismatch", "blob_dtype": "handoff_mismatch"}
     assert not list(registry_redis.scan_iter(match=f"{registry_prefix}:kv:*"))  # every canary blob cleaned up
 
 
@@ -51,15 +53,15 @@ def test_handoff_contract_fails_for_a_decode_worker_without_the_check(workers, r
     result = check_handoff_contract(key=KEY)
     assert not result.passed
     cases = result.details["workers"]["decode-nocheck"]["cases"]
-    assert {c for c, r in cases.items() if not r["ok"]} == {"rejected", "truncated", "bad_signature"}
-    # the transport still fences epochs and checksums on its own
-    assert cases["bad_checksum"]["ok"] and cases["stale_epoch"]["ok"]
+    assert {c for c, r in cases.items() if not r["ok"]} == {"rejected", "truncated", "bad_signature", "wrong_request"}
+    # the blob's own checks (epoch fence, signed shape/dtype, checksums) run even with the contract off
+    assert cases["bad_checksum"]["ok"] and cases["stale_epoch"]["ok"] and cases["blob_dtype"]["ok"]
     assert [(i.kind, i.worker, i.severity) for i in result.incidents] == [
         ("handoff_mismatch", "decode-nocheck", "critical")]
 
 
-def test_a_broken_verify_for_decode_fails_the_contract(workers, monkeypatch):
-    monkeypatch.setattr(handoff_contract, "verify_for_decode", lambda *a, **k: None)
+def test_a_broken_acceptance_rule_fails_the_contract(workers, monkeypatch):
+    monkeypatch.setattr(handoff, "_check_contract", lambda *a, **k: None)
     result = check_handoff_contract(key=KEY)
     assert not result.passed and result.incidents[0].worker == "decode-ok"
 
@@ -190,3 +192,27 @@ def test_reproduction_without_workers_is_vacuous(registry):
 
 def test_canary_settings_exist():
     assert settings.KVSERVE_CANARY_TIMEOUT_S > 0 and settings.KVSERVE_CANARY_LOCK_S > 0
+
+
+# ---- live probes (the probes themselves run in real workers: tests/e2e/test_canary.py) -----------------
+
+def test_live_probes_fail_for_workers_they_cannot_reach_naming_each(registry, make_worker):
+    from incidents.canary.probes import check_live_probes
+
+    live_worker(registry, make_worker, "prefill", worker_id="prefill-nodq")  # registered without a direct queue
+    live_worker(registry, make_worker, "decode", worker_id="decode-nodq")
+    result = check_live_probes(wait_s=1, key=KEY)
+    assert not result.passed
+    workers = result.details["workers"]
+    assert workers["prefill-nodq"]["failed"] == ["guard", "scrub"]
+    assert workers["decode-nodq"]["failed"] == ["guard", "scrub", "handoff"]
+    assert all(c["reason"].startswith("unreachable") for w in workers.values() for c in w["checks"].values())
+    assert {(i.worker, i.severity) for i in result.incidents} == {("prefill-nodq", "warning"), ("decode-nodq", "warning")}
+
+
+def test_live_probes_without_serving_workers_are_vacuous(registry, make_worker):
+    from incidents.canary.probes import check_live_probes
+
+    live_worker(registry, make_worker, "prefill", worker_id="prefill-alone")
+    result = check_live_probes(wait_s=1, key=KEY)
+    assert not result.passed and result.details["reason"].startswith("vacuous")

@@ -2,7 +2,7 @@
 switched back on alone must stop it (inference.sandbox, incidents.canary.selftest). No stack, no Redis."""
 import pytest
 
-from inference import sandbox
+from inference import handoff, sandbox
 from inference.block_manager import BlockManager
 from inference.faults import Faults
 from inference.sandbox import ALL_FAULTS, IncidentReplay, audit_read_record, sentinel_seen
@@ -84,7 +84,7 @@ def test_broken_read_guard_fails_the_selftest(tiny_model, monkeypatch):
 
 
 def test_broken_handoff_check_fails_the_selftest(tiny_model, monkeypatch):
-    monkeypatch.setattr(sandbox, "verify_for_decode", lambda *a, **k: None)
+    monkeypatch.setattr(handoff, "_check_contract", lambda *a, **k: None)  # the one rule, broken
     result = check_selftest(tiny_model)
     assert not result.passed
     assert {n for n, s in result.details["scenarios"].items() if not s["ok"]} == {"handoff_check_on"}

@@ -9,7 +9,7 @@ import torch
 
 from inference.cancel import Cancel
 from inference.engine import EngineConfig
-from inference.handoff import HandoffRefused, Verdict
+from inference.handoff import HandoffRefused, Verdict, handoff_accept
 from inference.ledger import RedisLedger
 from inference.sequence import SeqStatus
 from inference.worker import (DecodeCommand, PoolLostCommand, PrefillCommand, RequestFailed, RuntimeOptions, WindowTooLarge,
@@ -390,7 +390,7 @@ def test_a_duplicate_delivery_is_refused_and_the_original_runs_on(fault_runtimes
     prefill, decode = make("prefill"), make("decode")
     prompt = list(range(10, 50))
     handoff = prefill.prefill("r6", prompt, greedy(300))
-    blob = decode.transport.receive(handoff)
+    _, blob = handoff_accept(handoff, KEY, decode.decode_side("r6", prompt), decode.transport.take)
     original = DecodeCommand("r6", prompt, greedy(300), handoff.first_token, blob, 40)
     decode._commands.put(original)
     next(decode.outputs.read("r6", timeout_s=30))  # decoding
@@ -412,6 +412,104 @@ def test_a_cancel_flag_aborts_the_running_request_and_frees_its_pages(fault_runt
     thread.join(30)
     assert box["error"].code == "client_disconnected"
     assert decode.ledger.num_free() == 64 and not decode.engine.has_request("r7")
+
+
+# ---- the decode worker's own acceptance (inference.handoff.handoff_accept) and admission re-check ----------
+
+def test_a_valid_handoff_replayed_onto_another_request_is_refused_and_its_kv_left_alone(runtimes, redis_client):
+    prefill, decode = runtimes("prefill"), runtimes("decode")
+    prompt = list(range(10, 50))
+    good = prefill.prefill("victim", prompt, greedy(4))
+    with pytest.raises(HandoffRefused) as err:
+        decode.decode("attacker", prompt, greedy(4), good.to_dict())  # same prompt length, another request
+    assert err.value.kind == "handoff_mismatch" and "victim" in err.value.reason
+    assert decode.ledger.num_free() == 64 and not decode.engine.has_request("attacker")
+    assert redis_client.exists(decode.transport.key("victim"))  # not pulled: the real owner can still decode
+    seq = decode.decode("victim", prompt, greedy(4), good.to_dict())
+    assert seq.status is SeqStatus.FINISHED
+
+
+@pytest.mark.parametrize("meta", [{"dtype": "float16"}, {"dtype": "float64"}, {"shape": [3, 2, 2, 16, 2, 8]}])
+def test_a_transported_blob_whose_shape_or_dtype_is_not_the_signed_one_is_refused(runtimes, redis_client, meta):
+    import json as json_lib
+
+    prefill, decode = runtimes("prefill"), runtimes("decode")
+    prompt = list(range(10, 50))
+    good = prefill.prefill("r", prompt, greedy(4))
+    key = decode.transport.key("r")
+    stored = json_lib.loads(redis_client.hget(key, "meta"))
+    redis_client.hset(key, "meta", json_lib.dumps({**stored, **meta}))  # the blob relabelled in transit
+    with pytest.raises(HandoffRefused) as err:
+        decode.decode("r", prompt, greedy(4), good.to_dict())
+    assert err.value.kind == "handoff_mismatch" and "signed handoff says" in err.value.reason
+    assert decode.ledger.num_free() == 64 and not decode.engine.has_request("r")
+
+
+def test_the_decode_worker_re_checks_admission_against_its_own_pool(runtimes, redis_client, ledger_prefix, tiny_model):
+    from inference.scheduler import RequestTooLarge
+
+    prefill = runtimes("prefill")
+    options = RuntimeOptions(prefix=ledger_prefix, lease_ttl_s=30, registry_ttl_s=15)
+    small = WorkerRuntime("decode", redis_client, KEY, model=tiny_model, options=options,
+                          config=EngineConfig(num_pages=32, page_size=16, window=512))
+    try:
+        prompt = list(range(10, 50))
+        handoff = prefill.prefill("big", prompt, greedy(600))  # 640 tokens: fits prefill's 1024, not decode's 512
+        with pytest.raises(RequestTooLarge):
+            small.decode("big", prompt, greedy(600), handoff.to_dict(), timeout_s=10)
+        assert small.ledger.num_free() == 32 and not small.engine.has_request("big")
+    finally:
+        small.stop()
+
+
+def test_the_prefill_worker_re_checks_admission_and_sends_nothing(runtimes, redis_client):
+    prefill = runtimes("prefill")
+    handoff = prefill.prefill("long", list(range(10, 50)), greedy(1000))  # 1040 > the 1024-token window
+    assert handoff.verdict is Verdict.REJECTED and "exceeds this engine's limit of 1024" in handoff.reason
+    assert handoff.has_valid_signature(KEY) and handoff.num_pages == 0
+    assert prefill.ledger.num_free() == 64 and not redis_client.exists(prefill.transport.key("long"))
+
+
+def test_the_foreign_page_fault_is_stopped_by_the_real_guard_once_and_touches_no_other_page(runtimes, redis_client,
+                                                                                            ledger_prefix, tiny_model):
+    from inference.faults import Faults
+
+    seen = []
+    options = RuntimeOptions(prefix=ledger_prefix, lease_ttl_s=30, registry_ttl_s=15)
+    decode = WorkerRuntime("decode", redis_client, KEY, model=tiny_model, options=options,
+                           config=EngineConfig(num_pages=64, page_size=16, window=1024,
+                                               faults=Faults({"foreign_page_once"})),
+                           on_violation=lambda rt, v: seen.append(v))
+    try:
+        prefill = runtimes("prefill")
+        prompt = list(range(10, 50))
+        with pytest.raises(RequestFailed) as err:
+            decode.decode("first", prompt, greedy(8), prefill.prefill("first", prompt, greedy(8)).to_dict())
+        assert err.value.code == "kv_isolation_violation"
+        assert [e["type"] for e in decode.outputs.read("first", timeout_s=5)] == ["error"]  # no content event
+        (v,) = seen
+        assert v.kind == "foreign_read" and v.reader == "first" and v.page_owner.startswith("fault-bystander-")
+        assert v.reader_epoch is not None and v.page_epoch is not None and v.reader_epoch != v.page_epoch
+        assert decode.registry.is_quarantined(decode.worker_id)
+        wait_until(lambda: decode.ledger.num_free() == 64)  # reader and bystander pages freed
+        decode.ledger.check_integrity()
+        assert decode.engine.pool.data[v.page].abs().sum() == 0  # the page bytes themselves: scrubbed
+        seq = decode.decode("second", prompt, greedy(8), prefill.prefill("second", prompt, greedy(8)).to_dict())
+        assert seq.status is SeqStatus.FINISHED  # once per process
+    finally:
+        decode.stop()
+
+
+def test_a_finished_request_leaves_its_pages_zeroed_in_both_tensors(runtimes):
+    """Scrub on free in the worker path, seen in the page bytes themselves (not the mirror or the free count)."""
+    prefill, decode = runtimes("prefill"), runtimes("decode")
+    prompt = list(range(10, 50))
+    decode.decode("z", prompt, greedy(8), prefill.prefill("z", prompt, greedy(8)).to_dict())
+    (record,) = decode.outputs.read_records({"z"})
+    assert sum(record["written"]) == 47 and len(record["pages"]) == 3  # 40 prompt + 7 decoded tokens had K/V
+    wait_until(lambda: decode.ledger.num_free() == 64)
+    assert decode.engine.pool.data[record["pages"]].count_nonzero() == 0
+    assert prefill.engine.pool.data.count_nonzero() == 0  # the prefill pages, freed once sent
 
 
 def test_a_decode_pool_short_of_pages_preempts_and_recomputes_from_the_sequences_own_tokens(redis_client, ledger_prefix,

@@ -217,6 +217,15 @@
   }
 
   // --- canary and incidents ---------------------------------------------------------------------
+  function perWorker(k) {  // live probes: one line per worker, each probe passed or failed
+    var workers = Object.keys(k.per_worker || {});
+    if (!workers.length) return null;
+    return el("ul", { "class": "canary-workers" }, workers.map(function (w) {
+      var probes = k.per_worker[w];
+      return el("li", { "class": "canary-worker", "data-worker": w }, [el("code", {}, [w]), " "].concat(
+        Object.keys(probes).map(function (p) { return badge(probes[p] ? "pass" : "fail", p + (probes[p] ? " ok" : " FAIL")); })));
+    }));
+  }
   function renderCanary(d) {
     var c = d.latest_canary;
     if (!c) { replace("canary", el("p", { "class": "empty" }, ["No canary run yet."])); return; }
@@ -224,7 +233,7 @@
       return el("tr", { "class": "canary-check", "data-check": k.name }, [el("td", {}, [k.name]),
         el("td", {}, [badge(k.passed ? "pass" : "fail", k.passed ? "PASS" : "FAIL")]),
         el("td", {}, [k.duration_s === null || k.duration_s === undefined ? "–" : Number(k.duration_s).toFixed(2) + " s"]),
-        el("td", {}, [el("code", {}, [JSON.stringify(k.details).slice(0, 160)])])]);
+        el("td", {}, [perWorker(k) || el("code", {}, [JSON.stringify(k.details).slice(0, 160)])])]);
     });
     replace("canary", el("div", {}, [
       el("p", {}, ["Run #" + c.id + " started " + new Date(c.started_at).toLocaleString() + " ",

@@ -1,0 +1,178 @@
+"""Live probes: every live worker's own code path, over the real queues, each result naming the worker.
+
+- handoff (each live decode worker): canary handoffs sent with the real `inference.decode` task to that worker's
+  direct queue — a REJECTED verdict with KV present, fewer tokens transferred than expected, a signature made
+  with another key, a valid handoff of another canary request replayed onto this one, a KV blob swapped for
+  another request's — each must be refused by that worker (its row's decode_worker and decode_verdict, no
+  content event, the probe record its handoff refusal wrote); one correct handoff must be accepted and answered.
+- guard and scrub (every live worker): `kvserve.probe` on the worker's direct queue runs inference.probes in its
+  engine loop, on canary-owned pages of its real pool and ledger.
+A worker the probes cannot reach (no answer before the deadline) fails the check, named."""
+import time
+import uuid
+from dataclasses import replace
+
+import torch
+from celery.utils.nodenames import worker_direct
+from django.conf import settings
+
+from incidents.canary import live
+from incidents.canary.prompts import TENANT_B, canary_key
+from incidents.canary.result import CheckResult, IncidentSpec
+from inference.handoff import KV_DTYPES, Handoff, Verdict, blob_metadata
+from inference.kv_cache import cdiv, page_checksums
+from inference.probes import CANARY_PROBE_PREFIX, ProbeRecords
+from inference.transport import RedisTransport
+from kvserve.chat.models import ChatRequest
+from kvserve.workers import redis_get
+
+# case -> the decode_verdict the worker must record ("accepted" for the control)
+HANDOFF_CASES = {"valid": "accepted", "rejected_kv": "rejected", "truncated": "handoff_mismatch",
+                 "other_key": "handoff_forged", "replayed": "handoff_mismatch", "swapped_blob": "handoff_mismatch"}
+INCIDENT_KIND = {"handoff": "handoff_mismatch", "guard": "foreign_read", "scrub": "canary_leak"}
+
+
+def _blob(pages: int, w) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(time.time_ns() % 2**31)
+    return (torch.randn(pages, *w.page_shape, generator=gen) * 0.1).to(KV_DTYPES.get(w.dtype, torch.float32))
+
+
+def _handoff(rid: str, w, blob: torch.Tensor, tokens: int, key: bytes, **changes) -> Handoff:
+    h = Handoff(request_id=rid, verdict=Verdict.OK, reason="", expected_tokens=tokens, transferred_tokens=tokens,
+                num_pages=blob.shape[0], page_checksums=tuple(page_checksums(blob)),
+                page_epochs=tuple(range(1, blob.shape[0] + 1)), model_fingerprint=w.model_fingerprint,
+                page_size=w.page_size, dtype=w.dtype, prefill_worker="canary-probe", first_token=1,
+                **blob_metadata(blob))
+    return replace(h, **changes).signed(key)
+
+
+def _handoff_cases(run: str, w, key: bytes) -> list[dict]:
+    """Per case: the task's request id, the handoff on the task, and what is stored in the transport under which id."""
+    tokens = 2 * w.page_size + 3
+    pages = cdiv(tokens, w.page_size)
+    rid = lambda case: f"{CANARY_PROBE_PREFIX}{case[:8]}-{run}-{w.worker_id[-4:]}"  # noqa: E731
+    out = []
+    b = _blob(pages, w)
+    out.append({"case": "valid", "rid": rid("valid"), "handoff": _handoff(rid("valid"), w, b, tokens, key),
+                "stored": [(rid("valid"), b)]})
+    b1 = _blob(1, w)  # prefill refused it, but sent a placeholder page anyway (the incident's handoff)
+    h = _handoff(rid("rejected_kv"), w, b1, tokens, key, verdict=Verdict.REJECTED, reason="canary: does not fit",
+                 transferred_tokens=1)
+    out.append({"case": "rejected_kv", "rid": rid("rejected_kv"), "handoff": h, "stored": [(rid("rejected_kv"), b1)]})
+    b = _blob(1, w)
+    h = _handoff(rid("truncated"), w, b, tokens, key, transferred_tokens=w.page_size)
+    out.append({"case": "truncated", "rid": rid("truncated"), "handoff": h, "stored": [(rid("truncated"), b)]})
+    b = _blob(pages, w)
+    h = _handoff(rid("other_key"), w, b, tokens, uuid.uuid4().hex.encode())
+    out.append({"case": "other_key", "rid": rid("other_key"), "handoff": h, "stored": [(rid("other_key"), b)]})
+    b = _blob(pages, w)  # a valid handoff (and KV) of another canary request, on this request's task
+    source = rid("replsrc")
+    out.append({"case": "replayed", "rid": rid("replayed"), "handoff": _handoff(source, w, b, tokens, key),
+                "stored": [(source, b)]})
+    mine, other = _blob(pages, w), _blob(pages, w)  # this request's handoff, another request's KV in its place
+    h = _handoff(rid("swapped_blob"), w, mine, tokens, key)
+    out.append({"case": "swapped_blob", "rid": rid("swapped_blob"), "handoff": h, "stored": [(rid("swapped_blob"), other)]})
+    for c in out:
+        c["prompt_ids"] = list(range(1, tokens + 1))
+    return out
+
+
+def _send_handoff_probe(w, cases: list[dict], transport: RedisTransport, tenant) -> None:
+    from kvserve.chat.tasks import decode
+
+    for c in cases:
+        ChatRequest.objects.create(id=c["rid"], tenant=tenant, status=ChatRequest.Status.PREFILLING, model="canary-probe",
+                                   max_tokens=4, prompt_tokens=len(c["prompt_ids"]), prompt_hash="canary-probe",
+                                   handoff_verdict=Verdict.OK.value, params={"temperature": 0.0, "seed": 0})
+        for stored_id, blob in c["stored"]:
+            h = c["handoff"] if stored_id == c["handoff"].request_id else replace(c["handoff"], request_id=stored_id)
+            transport.send(h, blob)
+        decode.apply_async(args=(c["rid"], c["prompt_ids"], c["handoff"].to_dict()), queue=worker_direct(w.node))
+
+
+def _judge_handoff(w, cases: list[dict], records: dict, outputs) -> dict:
+    results = {}
+    for c in cases:
+        row = ChatRequest.objects.filter(id=c["rid"]).first()
+        expected = HANDOFF_CASES[c["case"]]
+        got = {"status": row.status, "decode_worker": row.decode_worker, "decode_verdict": row.decode_verdict,
+               "error_code": row.error_code, "completion_tokens": row.completion_tokens} if row else {}
+        events = [e.get("type") for e in outputs.read(c["rid"], timeout_s=1)] if row and row.is_final else []
+        mine = row is not None and row.decode_worker == w.worker_id
+        if expected == "accepted":
+            ok = mine and row.status == ChatRequest.Status.DONE and row.completion_tokens >= 1 and "done" in events
+        else:
+            record = records.get(c["rid"]) or {}
+            got["record"] = record
+            ok = (mine and row.status == ChatRequest.Status.FAILED and row.decode_verdict == expected
+                  and row.error_code == "handoff_refused" and "delta" not in events
+                  and record.get("worker") == w.worker_id and record.get("refused") == expected)
+        results[c["case"]] = {"expected": expected, "got": got, "events": events, "ok": bool(ok)}
+    return results
+
+
+def check_live_probes(wait_s: float | None = None, key: bytes | None = None) -> CheckResult:
+    from kvserve.chat.runtime import handoff_key
+
+    started = time.perf_counter()
+    workers = live.serving_workers()
+    decoders = [w for w in workers if w.role == "decode"]
+    if not decoders or not any(w.role == "prefill" for w in workers):
+        return CheckResult.vacuous("live_probes", "no live prefill and decode workers to probe")
+    wait_s = wait_s or max(5.0, min(120.0, settings.KVSERVE_CANARY_CHECK_TIMEOUT_S - 10))
+    r = redis_get()
+    prefix = live.prefix()
+    records_store, transport = ProbeRecords(r, prefix), RedisTransport(r, prefix, ttl_s=int(wait_s) + 60)
+    key, run, tenant = key or handoff_key(), uuid.uuid4().hex[:8], canary_key(TENANT_B).tenant
+    from incidents.tasks import probe
+
+    sent: dict[str, dict] = {}  # worker -> {"probes": {name: id}, "handoff": cases}
+    for w in workers:
+        entry = sent[w.worker_id] = {"worker": w, "probes": {}, "handoff": []}
+        if not w.node:
+            continue  # no direct queue registered: unreachable, judged below
+        for name in ("guard", "scrub"):
+            pid = entry["probes"][name] = f"{CANARY_PROBE_PREFIX}{name}-{run}-{w.worker_id[-4:]}"
+            probe.apply_async(args=(name, pid), queue=worker_direct(w.node))
+        if w.role == "decode":
+            entry["handoff"] = _handoff_cases(run, w, key)
+            _send_handoff_probe(w, entry["handoff"], transport, tenant)
+    probe_ids = [p for e in sent.values() for p in e["probes"].values()]
+    handoff_ids = [c["rid"] for e in sent.values() for c in e["handoff"]]
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        records = records_store.get_many(probe_ids + handoff_ids)
+        final = ChatRequest.objects.filter(id__in=handoff_ids, status__in=ChatRequest.FINAL).count()
+        if all(p in records for p in probe_ids) and final == len(handoff_ids):
+            break
+        time.sleep(0.25)
+    records = records_store.get_many(probe_ids + handoff_ids)
+    outputs = live.outputs(2)
+    report, incidents = {}, []
+    for worker_id, e in sent.items():
+        w = e["worker"]
+        checks = {}
+        for name in ("guard", "scrub"):
+            record = records.get(e["probes"].get(name, ""))
+            if record is None:
+                checks[name] = {"ok": False, "reason": "unreachable: no answer from this worker within "
+                                                       f"{wait_s:.0f}s" if w.node else "unreachable: no direct queue"}
+            else:
+                checks[name] = {**record, "ok": bool(record.get("ok")) and record.get("worker") == worker_id}
+        if w.role == "decode":
+            cases = _judge_handoff(w, e["handoff"], records, outputs) if w.node else {}
+            checks["handoff"] = {"ok": bool(cases) and all(c["ok"] for c in cases.values()), "cases": cases,
+                                 **({} if w.node else {"reason": "unreachable: no direct queue"})}
+        failed = [n for n, c in checks.items() if not c["ok"]]
+        report[worker_id] = {"role": w.role, "passed": not failed, "failed": failed, "checks": checks}
+        for name in failed:
+            unreachable = str(checks[name].get("reason", "")).startswith(("unreachable", "busy", "unproven"))  # unproven
+            incidents.append(IncidentSpec(
+                kind="canary_leak" if unreachable else INCIDENT_KIND[name], severity="warning" if unreachable else "critical",
+                worker=worker_id, pool=worker_id,
+                details={"detected_by": f"canary live {name} probe", "probe": name, "result": checks[name]}))
+    for c in (c for e in sent.values() for c in e["handoff"]):
+        for stored_id, _ in c["stored"]:
+            transport.discard(stored_id)
+    return CheckResult("live_probes", not incidents, time.perf_counter() - started,
+                       {"workers": report, "run": run}, incidents)

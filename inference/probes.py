@@ -1,0 +1,101 @@
+"""Live probes a worker runs on itself for the canary, inside its engine loop, on pages it allocates for a canary
+owner in its real pool and ledger (never another request's): the read guard (foreign page, unwritten tail,
+stale epoch must each raise in `BlockManager.check_reads`) and scrub-on-free (a marker written into a canary
+page is gone from the page's bytes once the page is freed through the normal path). A pool with no free page
+now answers "busy:" (not proven, not broken). A probe never records a
+violation, an incident or a quarantine: its result is returned, and stored by `ProbeRecords`, which owns the
+Redis keys `{prefix}:probes:*`. No Django."""
+import json
+import uuid
+
+from inference.block_manager import OwnershipViolation
+from inference.sequence import SamplingParams, Sequence
+
+CANARY_PROBE_PREFIX = "canary-probe-"  # request ids of canary probe traffic (server-made, never a client's)
+GUARD_CASES = {"foreign_page": "foreign_read", "unwritten_tail": "unwritten_read", "stale_epoch": "stale_epoch"}
+
+
+def _owner(kind: str) -> Sequence:
+    return Sequence(f"{CANARY_PROBE_PREFIX}{kind}-{uuid.uuid4().hex[:10]}", [0], SamplingParams(max_tokens=1))
+
+
+def _reading(seq: Sequence, pages: list[int], epochs: list[int]) -> Sequence:
+    """A copy of `seq` (same request id) whose block table is `pages` at `epochs`: the read under test."""
+    probe = Sequence(seq.request_id, seq.prompt_ids, seq.params)
+    probe.block_table, probe.page_epochs = list(pages), list(epochs)
+    return probe
+
+
+def guard_probe(engine) -> dict:
+    """Three reads the guard must stop, on canary-owned pages: {case: {"expected", "got", "ok"}}, "ok"."""
+    bm, ps = engine.block_manager, engine.page_size
+    a, b = _owner("guard-a"), _owner("guard-b")
+    try:
+        if not bm.allocate(a, 2) or not bm.allocate(b, 1):
+            return {"ok": False, "reason": "busy: no free pages for the guard probe now", "cases": {}}
+        bm.mark_written(a, ps + 1)  # a: first page full, one slot of the second
+        bm.mark_written(b, 1)
+        reads = {
+            # a's table pointing at b's page, at b's epoch: only the owner check can tell
+            "foreign_page": (_reading(a, [b.block_table[0]], [b.page_epochs[0]]), 0, 1),
+            # past a's watermark inside its own second page
+            "unwritten_tail": (a, ps + 5, 1),
+            # a's own page at an epoch it no longer holds
+            "stale_epoch": (_reading(a, a.block_table[:1], [a.page_epochs[0] - 1]), 1, 1),
+        }
+        cases = {}
+        for case, (seq, past, new) in reads.items():
+            try:
+                bm.check_reads(seq, past, new)
+                got = "allowed"
+            except OwnershipViolation as exc:
+                got = exc.violation.kind
+            cases[case] = {"expected": GUARD_CASES[case], "got": got, "ok": got == GUARD_CASES[case]}
+        return {"ok": all(c["ok"] for c in cases.values()), "cases": cases, "pages": a.block_table + b.block_table}
+    finally:
+        for seq in (a, b):
+            if seq.block_table:
+                bm.deallocate(seq)
+
+
+def scrub_probe(engine) -> dict:
+    """A marker in a canary-owned page, the page freed by `BlockManager.deallocate`; whether its bytes are zero
+    before the allocator can hand it out again (read from the pool tensor itself, not the mirror)."""
+    bm, pool = engine.block_manager, engine.pool
+    if bm.scrub_policy != "on_free":  # on_alloc zeroes at the next grant, which this probe cannot pick
+        return {"ok": False, "scrub_policy": bm.scrub_policy,
+                "reason": f"unproven: the scrub probe checks on_free; this pool scrubs {bm.scrub_policy}"}
+    c = _owner("scrub")
+    if not bm.allocate(c, 1):
+        return {"ok": False, "reason": "busy: no free page for the scrub probe now"}
+    page = c.block_table[0]
+    pool.data[page].fill_(7.0)
+    bm.mark_written(c, 1)
+    marked = bool((pool.data[page] == 7.0).all())
+    bm.deallocate(c)
+    nonzero = int(pool.data[page].count_nonzero())
+    ok = marked and nonzero == 0
+    return {"ok": ok, "page": page, "marker_written": marked, "nonzero_after_free": nonzero,
+            "scrub_policy": bm.scrub_policy,
+            **({} if ok else {"reason": f"page {page} still holds {nonzero} nonzero values after its free"})}
+
+
+PROBES = {"guard": guard_probe, "scrub": scrub_probe}
+
+
+class ProbeRecords:
+    """Probe results by probe id (what a worker found, for the canary to read), with a TTL."""
+
+    def __init__(self, redis, prefix: str, ttl_s: int = 3600):
+        self.redis, self.prefix, self.ttl_s = redis, prefix, ttl_s
+
+    def key(self, probe_id: str) -> str:
+        return f"{self.prefix}:probes:{probe_id}"
+
+    def put(self, probe_id: str, record: dict) -> None:
+        self.redis.set(self.key(probe_id), json.dumps(record, default=str), ex=self.ttl_s)
+
+    def get_many(self, probe_ids) -> dict[str, dict]:
+        ids = list(probe_ids)
+        raws = self.redis.mget([self.key(i) for i in ids]) if ids else []
+        return {i: json.loads(r) for i, r in zip(ids, raws) if r is not None}

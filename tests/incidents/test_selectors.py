@@ -1,0 +1,20 @@
+"""The dashboard's canary summary: live probe results per worker and probe."""
+import pytest
+from django.utils import timezone
+
+from incidents.models import CanaryRun
+from incidents.selectors import canary_latest_get
+
+pytestmark = pytest.mark.django_db
+
+
+def test_the_latest_canary_lists_each_workers_probe_results():
+    details = {"workers": {"decode-1": {"checks": {"guard": {"ok": True}, "scrub": {"ok": False}, "handoff": {"ok": True}}},
+                           "prefill-1": {"checks": {"guard": {"ok": True}, "scrub": {"ok": True}}}}}
+    CanaryRun.objects.create(started_at=timezone.now(), passed=False,
+                             checks=[{"name": "live_probes", "passed": False, "details": details},
+                                     {"name": "integrity", "passed": True, "details": {"pools": {}}}])
+    checks = {c["name"]: c for c in canary_latest_get()["checks"]}
+    assert checks["live_probes"]["per_worker"] == {"decode-1": {"guard": True, "scrub": False, "handoff": True},
+                                                   "prefill-1": {"guard": True, "scrub": True}}
+    assert checks["integrity"]["per_worker"] == {}
