@@ -17,6 +17,7 @@ from django.db import transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
+from inference.admission import admission_error
 from inference.allocator import LedgerError
 from inference.cancel import Cancel
 from inference.handoff import HandoffRefused, Verdict
@@ -123,7 +124,7 @@ def chat_request_create(*, api_key, messages: list[dict] | None = None, prompt: 
     prompt_ids = token_ids
     if not prompt_ids:
         raise ApiError("The prompt is empty: it encodes to no tokens.", param=param, code="empty_prompt")
-    if len(prompt_ids) + max_tokens > limit:
+    if admission_error(len(prompt_ids), max_tokens, limit) is not None:  # the engines' own rule
         raise _context_length_exceeded(limit, str(len(prompt_ids) + max_tokens), str(len(prompt_ids)), max_tokens,
                                        param)
     tenant = api_key.tenant
