@@ -15,7 +15,7 @@ from typing import Sequence
 import redis
 from redis.exceptions import ResponseError
 
-from inference.allocator import Grant, IntegrityError, LedgerError, PoolLost
+from inference.allocator import CACHE_ENTRY_PREFIX, Grant, IntegrityError, LedgerError, PoolLost, cache_entry
 
 ROLES = ("prefill", "decode", "sandbox")
 # Every script gets the pool's fixed keys as KEYS in this order, and ARGV[1..2] = owner-key prefix, pool id.
@@ -24,7 +24,6 @@ GENERATION_SPAN = 2**32  # epochs of generation g lie in (g * span, (g + 1) * sp
 # Shared (prefix-cache) pages, after the pool's fixed keys: scope (page -> salt of each cached page),
 # reader_scope (reader -> the salt it reads under), and two key prefixes: readers:<page>, reads:<owner>.
 _SHARED_PARTS = ("scope", "reader_scope", "readers:", "reads:")
-CACHE_ENTRY_PREFIX = "cache~"  # owners named so are cache entries; no request may take such a name
 
 
 def ledger_key(prefix: str, pool_id: str | None = None, part: str = "") -> str:
@@ -553,17 +552,6 @@ def _pool_keys(prefix: str, pool_id: str) -> list[str]:
             + [ledger_key(prefix, pool_id, part) for part in _SHARED_PARTS])
 
 
-def cache_entry(salt: str) -> str:
-    """The ledger owner that holds a scope's cached pages in one pool."""
-    _check_salt(salt)
-    return CACHE_ENTRY_PREFIX + salt
-
-
-def _check_salt(salt: str) -> None:
-    if not isinstance(salt, str) or not salt or any(c in salt for c in ": "):
-        raise LedgerError(f"a cache scope is a non-empty salt without ':' or spaces, got {salt!r}")
-
-
 def _check_request_owner(owner: str) -> None:
     _check_owner(owner)
     if owner.startswith(CACHE_ENTRY_PREFIX):
@@ -790,7 +778,7 @@ class RedisLedger:
         """`reader` reads the cached pages (scope `salt`, at those epochs) under its lease: True, or False when
         one left the cache meanwhile (nothing recorded). A page of another scope raises LedgerError."""
         _check_request_owner(reader)
-        _check_salt(salt)
+        cache_entry(salt)  # checks the salt
         pages, epochs = [int(p) for p in pages], [int(e) for e in epochs]
         if len(pages) != len(epochs):
             raise LedgerError(f"pool {self.pool_id}: hit got {len(pages)} pages but {len(epochs)} epochs")

@@ -26,6 +26,8 @@ class Scheduler:
         self.block_manager = block_manager
         self.chunk_size = chunk_size
         self.max_num_seqs = max_num_seqs
+        # gives a waiting sequence its pages (False: not now); the prefix cache replaces it to reuse pages
+        self.admit = lambda seq: block_manager.allocate(seq, seq.num_pages_needed(block_manager.page_size))
         self.waiting: deque[Sequence] = deque()
         self.active: list[Sequence] = []  # PREFILLING or RUNNING, in admission order
 
@@ -60,12 +62,12 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.active) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self.block_manager.allocate(seq, seq.num_pages_needed(self.block_manager.page_size)):
+            if not self.admit(seq):
                 break  # does not fit now: it waits, and so does everything behind it (FIFO)
             self.waiting.popleft()
             seq.status = SeqStatus.PREFILLING
             self.active.append(seq)
-            n = min(budget, seq.num_prompt_tokens)
+            n = min(budget, seq.num_prompt_tokens - seq.num_cached)  # a cached prefix is not computed again
             chunks.append(ScheduledChunk(seq, n))
             budget -= n
         return chunks

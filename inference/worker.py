@@ -138,6 +138,7 @@ class PrefillCommand:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    salt: str | None = None  # the request's prefix-cache scope (server-derived); None: no cache
     future: Future = field(default_factory=Future, compare=False)
 
 
@@ -150,6 +151,7 @@ class DecodeCommand:
     blob: torch.Tensor = field(compare=False)
     num_transferred: int
     first_logprobs: tuple | None = field(default=None, compare=False)  # (logprob, top) of first_token, if asked
+    cached_tokens: int = 0  # of the prompt, read from prefill's prefix cache (reported in usage)
     future: Future = field(default_factory=Future, compare=False)
 
 
@@ -260,7 +262,7 @@ class WorkerRuntime:
 
     # ---- called from task threads ------------------------------------------------------------
     def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams, timeout_s: float = 600,
-                still_wanted=None) -> Handoff:
+                still_wanted=None, salt: str | None = None) -> Handoff:
         """Prefills the prompt, sends its KV and returns the signed handoff: OK, or REJECTED when the prompt
         cannot be held here. RequestFailed when the request could not be prefilled. `still_wanted()` is
         asked just before the KV is sent; False (the request ended or was taken over meanwhile) sends
@@ -273,8 +275,8 @@ class WorkerRuntime:
         if reason:  # never a placeholder: a prompt that cannot be held ends REJECTED, nothing taken or sent
             return Handoff(verdict=Verdict.REJECTED, reason=reason, **empty, **base).signed(self.handoff_key)
         try:
-            first, blob, sums, epochs, first_logprobs = self._run(PrefillCommand(request_id, prompt_ids, params),
-                                                                  timeout_s)
+            first, blob, sums, epochs, first_logprobs, cached = self._run(
+                PrefillCommand(request_id, prompt_ids, params, salt), timeout_s)
         except RequestTooLarge as exc:
             return Handoff(verdict=Verdict.REJECTED, reason=str(exc), **empty, **base).signed(self.handoff_key)
         if still_wanted is not None and not still_wanted():
@@ -282,7 +284,7 @@ class WorkerRuntime:
                            **base).signed(self.handoff_key)
         handoff = Handoff(verdict=Verdict.OK, reason="", transferred_tokens=len(prompt_ids), num_pages=blob.shape[0],
                           page_checksums=tuple(sums), page_epochs=tuple(epochs), first_token=first,
-                          first_logprobs=first_logprobs, **base).signed(self.handoff_key)
+                          first_logprobs=first_logprobs, cached_tokens=cached, **base).signed(self.handoff_key)
         self.transport.send(handoff, blob)
         return handoff
 
@@ -301,7 +303,7 @@ class WorkerRuntime:
         blob = self.transport.receive(h)
         transfer_ms = (time.perf_counter() - started) * 1000
         seq = self._run(DecodeCommand(request_id, prompt_ids, params, h.first_token, blob, h.transferred_tokens,
-                                      h.first_logprobs), timeout_s)
+                                      h.first_logprobs, h.cached_tokens), timeout_s)
         seq.transfer_ms = round(transfer_ms, 2)
         return seq
 
@@ -398,7 +400,7 @@ class WorkerRuntime:
                 cmd.future.set_exception(RequestFailed("pool_lost", POOL_LOST_ERROR))
             elif isinstance(cmd, PrefillCommand):
                 try:
-                    self.engine.add_request(rid, cmd.prompt_ids, cmd.params, prefill_only=True)
+                    self.engine.add_request(rid, cmd.prompt_ids, cmd.params, prefill_only=True, salt=cmd.salt)
                 except Exception as exc:
                     cmd.future.set_exception(exc)
                 else:
@@ -451,6 +453,7 @@ class WorkerRuntime:
                 continue
             if seq is None:
                 return  # does not fit now; retried after the next step frees pages
+            seq.cached_tokens = cmd.cached_tokens
             self._pending.popleft()
             self.metrics.on_token(rid, seq.is_done)
             if seq.text or cmd.first_logprobs:
@@ -467,7 +470,7 @@ class WorkerRuntime:
             if seq.prefill_only and seq.status is SeqStatus.PREFILLED:
                 blob, sums = e.export_kv(seq)
                 exported[seq.request_id] = (seq.output_ids[0], blob, sums, seq.page_epochs[: blob.shape[0]],
-                                            ev.logprobs)
+                                            ev.logprobs, seq.cached_tokens)
                 e.release(seq)
             elif ev.text_delta or ev.logprobs:
                 out.append((seq.request_id, delta_event(ev.text_delta, ev.token, ev.logprobs)))
@@ -498,7 +501,8 @@ class WorkerRuntime:
                     fut.set_result(exported[rid])
             else:
                 self._publish([(rid, {"type": "done", "finish_reason": seq.finish_reason, "usage": {
-                    "prompt_tokens": seq.num_prompt_tokens, "completion_tokens": len(seq.output_ids)}})])
+                    "prompt_tokens": seq.num_prompt_tokens, "completion_tokens": len(seq.output_ids),
+                    "cached_tokens": seq.cached_tokens}})])
                 if seq.read_record:
                     try:
                         self.outputs.record_read(seq.read_record)

@@ -27,6 +27,7 @@ from incidents.services import incident_record
 from kvserve.chat.metrics import (admission_rejection_count_incr, chat_metrics_decoded, chat_metrics_failed,
                                   chat_metrics_prefilled, chat_metrics_refused)
 from kvserve.chat.models import ChatRequest
+from kvserve.chat.salt import request_salt
 from kvserve.errors import ApiError
 from kvserve.workers import cancels_get, outputs_get, redis_get, registry_get
 
@@ -216,7 +217,8 @@ def chat_request_prefill(request_id: str, prompt_ids: list[int]) -> None:
     claim = _claim_token(req, "prefill_worker", "prefill_deliveries")
     mine = ChatRequest.objects.filter(id=req.id, **claim)
     try:
-        handoff = runtime.prefill(req.id, prompt_ids, sampling_params(req), still_wanted=mine.exists)
+        handoff = runtime.prefill(req.id, prompt_ids, sampling_params(req), still_wanted=mine.exists,
+                                  salt=request_salt(req.tenant, req.params.get("user")))
     except RequestFailed as exc:
         return chat_request_fail(req, code=exc.code, message=exc.message, claim=claim)
     except Exception as exc:
