@@ -31,7 +31,7 @@ ROOT = HERE.parent
 RESULTS_JSONL = HERE / "results.jsonl"
 RESULTS_MD = HERE / "RESULTS.md"
 
-MODULES = ["engine", "profile", "guards", "transport", "load", "chaos"]  # run in this order
+MODULES = ["engine", "profile", "guards", "ondemand", "transport", "load", "chaos"]  # run in this order
 NEEDS_URL = {"load"}
 NEEDS_ROOT = {"chaos"}  # network namespaces
 
@@ -160,6 +160,9 @@ SUMMARY = [
     ("guards", "ratio_scrub_on_vs_off", "throughput, scrub on free on / off", ">= 0.99"),
     ("guards", "ledger_allocate_p50_us", "Redis ledger allocate p50 (us)", ""),
     ("guards", "ledger_free_p50_us", "Redis ledger free p50 (us)", ""),
+    ("ondemand", "ratio_concurrent_median", "concurrent sequences, pages on demand / reserve-whole (EOS workload)",
+     ">= 2.0"),
+    ("ondemand", "ratio_tok_s", "throughput, pages on demand / reserve-whole (EOS workload)", ""),
     ("transport", "ratio_transfer_vs_prefill", "KV transfer time / prefill time, 512 tokens", "<= 0.25"),
     ("load", "errors", "load test errors (32 clients)", "0"),
     ("load", "lost", "load test requests without an answer", "0"),

@@ -16,6 +16,15 @@ class IntegrityError(LedgerError):
     """The ledger's books do not balance: free + owned + dirty != total, or a page is owned twice."""
 
 
+class NotHolding(LedgerError):
+    """A grant that extends owners found some holding nothing (their pages were reaped: the lease was lost)."""
+
+    def __init__(self, pool_id: str, owners):
+        self.owners = tuple(owners)
+        super().__init__(f"pool {pool_id}: {list(self.owners)} hold no pages to extend; allocate their first "
+                         "pages instead (or their lease was lost)")
+
+
 class PoolLost(LedgerError):
     """The pool's records are gone or older than what its worker has seen (Redis restarted empty, failed
     over to a lagging replica, or an operator's FLUSHDB): its worker must fail what it holds, scrub its
@@ -46,7 +55,9 @@ class PageAllocator(Protocol):
 
     def num_free(self) -> int: ...
 
-    def allocate(self, owner: str, n: int) -> Grant | None: ...
+    def allocate(self, owner: str, n: int, keep_free: int = 0) -> Grant | None: ...
+
+    def extend_many(self, requests: Sequence[tuple[str, int]]) -> list[Grant] | None: ...
 
     def free(self, owner: str, pages: Sequence[int], epochs: Sequence[int]) -> None: ...
 
@@ -81,21 +92,40 @@ class LocalAllocator:
     def num_free(self) -> int:
         return len(self._free)
 
-    def allocate(self, owner: str, n: int) -> Grant | None:
-        if n < 0:
-            raise LedgerError(f"cannot allocate {n} pages")
-        if owner.startswith(CACHE_ENTRY_PREFIX):
-            raise LedgerError(f"owner {owner!r}: names starting with {CACHE_ENTRY_PREFIX!r} are cache entries")
-        if n > len(self._free):
+    def allocate(self, owner: str, n: int, keep_free: int = 0) -> Grant | None:
+        """n pages for `owner`, leaving at least `keep_free` free; None when they do not fit now."""
+        grants = self._grant([(owner, n)], keep_free, must_hold=False)
+        return None if grants is None else grants[0]
+
+    def extend_many(self, requests: Sequence[tuple[str, int]]) -> list[Grant] | None:
+        """More pages for several owners that already hold some, all or nothing (one ledger call)."""
+        return self._grant(requests, 0, must_hold=True)
+
+    def _grant(self, requests, keep_free: int, must_hold: bool) -> list[Grant] | None:
+        owners = [o for o, _ in requests]
+        if any(o.startswith(CACHE_ENTRY_PREFIX) for o in owners):
+            raise LedgerError(f"owners {owners}: names starting with {CACHE_ENTRY_PREFIX!r} are cache entries")
+        if len(set(owners)) != len(owners):
+            raise LedgerError(f"owners listed twice in one grant: {owners}")
+        if any(n < 0 for _, n in requests) or keep_free < 0:
+            raise LedgerError(f"cannot allocate {list(requests)} keeping {keep_free} free")
+        if must_hold:
+            holders = {o for o, _ in self._owner.values()}
+            if missing := [o for o in owners if o not in holders]:
+                raise NotHolding(self.pool_id, missing)
+        if sum(n for _, n in requests) + keep_free > len(self._free):
             return None
-        pages, epochs = [], []
-        for _ in range(n):
-            page = self._free.popleft()
-            self._owner[page] = (owner, self._next_epoch)
-            pages.append(page)
-            epochs.append(self._next_epoch)
-            self._next_epoch += 1
-        return Grant(tuple(pages), tuple(epochs))
+        grants = []
+        for owner, n in requests:
+            pages, epochs = [], []
+            for _ in range(n):
+                page = self._free.popleft()
+                self._owner[page] = (owner, self._next_epoch)
+                pages.append(page)
+                epochs.append(self._next_epoch)
+                self._next_epoch += 1
+            grants.append(Grant(tuple(pages), tuple(epochs)))
+        return grants
 
     def free(self, owner: str, pages: Sequence[int], epochs: Sequence[int]) -> None:
         for page, epoch in zip(pages, epochs, strict=True):

@@ -2,15 +2,17 @@
 guard that checks every sequence's reads against it before each forward pass.
 
 Pages come from a `PageAllocator` (the Redis ledger in workers); the mirror is updated at every
-allocate, write and free, so the per-token guard needs no Redis round trip. A sequence's block table may
-start with shared pages (`seq.num_shared`, read from the prefix cache): those must be cached pages of the
-sequence's own scope (`seq.salt`), and are never written.
+allocate, append, write and free, so the per-token guard needs no Redis round trip. The verbs:
+`allocate` (a sequence's first pages), `can_append`/`append_slots` (a step's growth, one ledger call for
+every sequence that crosses a page boundary), `deallocate` (finish and preemption alike: free + scrub).
+A sequence's block table may start with shared pages (`seq.num_shared`, read from the prefix cache):
+those must be cached pages of the sequence's own scope (`seq.salt`), and are never written.
 """
 from dataclasses import dataclass
 
 from inference.allocator import PageAllocator, cache_entry
 from inference.faults import NO_FAULTS, Faults
-from inference.kv_cache import PagePool
+from inference.kv_cache import PagePool, cdiv
 from inference.sequence import Sequence
 
 SCRUB_POLICIES = ("on_free", "on_alloc", "off")
@@ -78,20 +80,47 @@ class BlockManager:
     def num_free(self) -> int:
         return self.allocator.num_free()
 
-    def allocate(self, seq: Sequence, num_pages: int) -> bool:
-        """Gives `seq` `num_pages` more pages; False when they do not fit now."""
-        grant = self.allocator.allocate(seq.request_id, num_pages)
-        if grant is None and self.prefix_cache is not None and self.prefix_cache.evict(num_pages):
-            grant = self.allocator.allocate(seq.request_id, num_pages)  # the pool needed pages: LRU ones went
+    def allocate(self, seq: Sequence, num_pages: int, keep_free: int = 0) -> bool:
+        """Gives `seq` `num_pages` more pages, leaving at least `keep_free` free; False when they do not fit now."""
+        grant = self.allocator.allocate(seq.request_id, num_pages, keep_free)
+        if grant is None and self.prefix_cache is not None and self.prefix_cache.evict(num_pages + keep_free):
+            grant = self.allocator.allocate(seq.request_id, num_pages, keep_free)  # LRU cached pages made room
         if grant is None:
             return False
+        self._take(seq, grant)
+        return True
+
+    def pages_short(self, seq: Sequence, num_tokens: int) -> int:
+        """How many pages `seq` lacks to hold K/V for its first `num_tokens` tokens."""
+        return max(0, cdiv(num_tokens, self.page_size) - len(seq.block_table))
+
+    def can_append(self, grows: list[tuple[Sequence, int]]) -> bool:
+        """Whether the pool has the pages `grows` asks for (an unreachable ledger counts as yes: not a shortage)."""
+        free, need = self.allocator.num_free(), sum(n for _, n in grows)
+        if free is not None and free < need and self.prefix_cache is not None:  # cached pages go before anyone
+            self.prefix_cache.evict(need)                                        # running is preempted
+            free = self.allocator.num_free()
+        return free is None or free >= need
+
+    def append_slots(self, grows: list[tuple[Sequence, int]]) -> bool:
+        """Gives each (seq, n) n more pages in ONE ledger call, all or nothing; False when they do not fit now."""
+        grows = [(seq, n) for seq, n in grows if n]
+        if not grows:
+            return True
+        grants = self.allocator.extend_many([(seq.request_id, n) for seq, n in grows])
+        if grants is None:
+            return False
+        for (seq, _), grant in zip(grows, grants, strict=True):
+            self._take(seq, grant)
+        return True
+
+    def _take(self, seq: Sequence, grant) -> None:
         for page, epoch in zip(grant.pages, grant.epochs):
             self.owner[page], self.epoch[page], self.written[page] = seq.request_id, epoch, 0
         if self.scrub_policy == "on_alloc":
             self.pool.scrub(grant.pages)
         seq.block_table += grant.pages
         seq.page_epochs += grant.epochs
-        return True
 
     def deallocate(self, seq: Sequence) -> None:
         """Ends `seq`'s reads of shared pages and frees its own; a finished prompt's full pages may stay in

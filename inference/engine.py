@@ -50,6 +50,8 @@ class EngineConfig:
     faults: Faults = field(default_factory=lambda: NO_FAULTS)
     pool_mb: int | None = None  # size the pool by memory instead of num_pages
     prefix_cache: bool = False  # keep finished prompts' full pages for requests of the same scope (salt)
+    watermark: float = 0.01  # fraction of the pool admission leaves free for running sequences to grow into
+    reserve_whole: bool = False  # bench.ondemand's baseline only: reserve prompt + max_tokens at admission
 
     def pages_for(self, mc, dtype) -> int:
         """Pages in the pool: num_pages, or as many as fit pool_mb for this model and dtype."""
@@ -68,6 +70,7 @@ class EngineConfig:
             max_num_seqs=int(env.get("KVSERVE_MAX_SEQS", 64)),
             window=int(env["KVSERVE_WINDOW"]) if env.get("KVSERVE_WINDOW") else None,
             scrub_policy=env.get("KVSERVE_SCRUB", "on_free"),
+            watermark=float(env.get("KVSERVE_WATERMARK", 0.01)),
             dtype=env.get("KVSERVE_DTYPE", "float32"),
             device=env.get("KVSERVE_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu"),
             faults=Faults.from_env(),
@@ -93,11 +96,16 @@ class Engine:
         self.pool = PagePool(num_pages, config.page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, device)
         allocator: PageAllocator = (allocator_factory or (lambda n: LocalAllocator(n)))(num_pages)
         self.block_manager = BlockManager(allocator, self.pool, config.scrub_policy, config.faults)
-        self.scheduler = Scheduler(self.block_manager, config.chunk_size, config.max_num_seqs)
+        if not 0 <= config.watermark < 1:
+            raise ValueError(f"watermark {config.watermark}: a fraction of the pool in [0, 1)")
+        self.scheduler = Scheduler(self.block_manager, config.chunk_size, config.max_num_seqs,
+                                   watermark_pages=int(num_pages * config.watermark),
+                                   reserve_whole=config.reserve_whole)
         self.prefix_cache = PrefixCache(self.block_manager) if config.prefix_cache else None
         if self.prefix_cache is not None:
-            pc, ps = self.prefix_cache, config.page_size
-            self.scheduler.admit = lambda seq: pc.admit(seq, seq.num_pages_needed(ps))
+            pc, sched = self.prefix_cache, self.scheduler
+            sched.admit = lambda seq: pc.admit(seq, lambda s: sched.pages_to_admit(s, s.num_tokens),
+                                               sched.admission_keep_free())
         self.runner = StepBuilder(self.pool, fresh_reads_pool=self.attention_backend == "xformers")
         self.window = config.window or mc.max_position
         self.tokenizer = model.tokenizer
@@ -182,14 +190,19 @@ class Engine:
         """Imports a verified handoff's KV into fresh pages and joins the decode batch.
         The written watermark is what was transferred, never what the prompt claims: a sequence
         that believes more is cached than was written fails the guard on its first step.
-        Returns None when the pages do not fit now (the caller retries); raises when they never can."""
+        It is admitted with the pages of the prompt it received; it grows as it decodes.
+        Returns None when the pages do not fit now, or preempted sequences wait to resume first (the caller
+        retries); raises when they never can."""
         if request_id in self.seqs:
             raise DuplicateRequest(f"request {request_id} is already in this engine")
         reason = self.admission_error(len(prompt_ids), params.max_tokens)
         if reason:
             raise RequestTooLarge(reason)
+        if self.scheduler.waiting:
+            return None
         seq = Sequence(request_id, prompt_ids, params)
-        if not self.block_manager.allocate(seq, seq.num_pages_needed(self.pool.page_size)):
+        num_pages = max(blob.shape[0], self.scheduler.pages_to_admit(seq, len(prompt_ids)))
+        if not self.block_manager.allocate(seq, num_pages, self.scheduler.admission_keep_free()):
             return None
         self.pool.import_pages(seq.block_table[: blob.shape[0]], blob)
         self.block_manager.mark_written(seq, len(prompt_ids) if num_transferred is None else num_transferred)
@@ -287,6 +300,8 @@ class Engine:
 
     def step(self) -> list[StepEvent]:
         chunks = self.scheduler.schedule()
+        for seq in self.scheduler.preempted:  # its pages are freed and scrubbed; it is recomputed later
+            self.runner.release(seq)
         events = []
         runnable = []
         for chunk in chunks:

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import redis
 
-from inference.allocator import Grant, LedgerError, PoolLost, cache_entry
+from inference.allocator import Grant, LedgerError, NotHolding, PoolLost, cache_entry
 from inference.ledger import RedisLedger
 
 log = logging.getLogger(__name__)
@@ -35,22 +35,55 @@ class HostLedger:
     def __getattr__(self, name):
         return getattr(self.ledger, name)
 
-    def allocate(self, owner: str, n: int) -> Grant | None:
-        return self._grant(self.ledger.allocate, owner, n)
+    def allocate(self, owner: str, n: int, keep_free: int = 0) -> Grant | None:
+        grants = self._grant(self.ledger.allocate, [(owner, n)], keep_free=keep_free)
+        return None if grants is None else grants[0]
 
     def extend(self, owner: str, n: int) -> Grant | None:
-        return self._grant(self.ledger.extend, owner, n)
+        grants = self._grant(self.ledger.extend, [(owner, n)])
+        return None if grants is None else grants[0]
 
-    def _grant(self, grant, owner, n):
+    def extend_many(self, requests: Sequence[tuple[str, int]]) -> list[Grant] | None:
+        """One ledger call growing every owner in `requests`; None when it does not fit or Redis is unreachable.
+        An owner the ledger no longer lists (its lease was reaped) gets an empty grant and is recorded as
+        refused, for the worker to fail lease_lost; the others are granted with a second call."""
+        requests = list(requests)
+        try:
+            return self._grant(self.ledger.extend_many, requests, many=True)
+        except NotHolding as exc:
+            lost = set(exc.owners)
+            log.warning("lease lost: the ledger no longer lists %s, which asked to grow", sorted(lost))
+            with self._lock:
+                self._refused |= lost
+                self._held -= lost
+        rest = self._grant(self.ledger.extend_many, [(o, n) for o, n in requests if o not in lost], many=True)
+        if rest is None:
+            return None
+        granted = iter(rest)
+        return [Grant((), ()) if o in lost else next(granted) for o, _ in requests]
+
+    def _grant(self, grant, requests, many: bool = False, **kw):
         with self._lock:
             try:
-                got = grant(owner, n)
+                got = grant(requests) if many else grant(*requests[0], **kw)
             except UNREACHABLE as exc:  # a grant whose reply was lost is reaped when its lease runs out
-                log.warning("ledger unreachable, %s waits for %d pages: %r", owner, n, exc)
+                log.warning("ledger unreachable, %s wait for pages: %r", [o for o, _ in requests], exc)
                 return None
-            if got is not None and got.pages:
-                self._held.add(owner)
-            return got
+            if got is None:
+                return None
+            grants = got if many else [got]
+            for (owner, _), g in zip(requests, grants):
+                if g.pages:
+                    self._held.add(owner)
+            return grants
+
+    def num_free(self) -> int | None:
+        """Free pages in the ledger; None when Redis cannot be reached (unknown is not a shortage)."""
+        try:
+            return self.ledger.num_free()
+        except UNREACHABLE as exc:
+            log.warning("ledger unreachable, free pages unknown: %r", exc)
+            return None
 
     def free(self, owner: str, pages: Sequence[int], epochs: Sequence[int]) -> None:
         pages, epochs = tuple(pages), tuple(epochs)

@@ -15,7 +15,7 @@ from typing import Sequence
 import redis
 from redis.exceptions import ResponseError
 
-from inference.allocator import CACHE_ENTRY_PREFIX, Grant, IntegrityError, LedgerError, PoolLost, cache_entry
+from inference.allocator import CACHE_ENTRY_PREFIX, Grant, IntegrityError, LedgerError, NotHolding, PoolLost, cache_entry
 
 ROLES = ("prefill", "decode", "sandbox")
 # Every script gets the pool's fixed keys as KEYS in this order, and ARGV[1..2] = owner-key prefix, pool id.
@@ -222,30 +222,45 @@ redis.call('DEL', epoch)
 redis.call('SREM', pools, pool)
 return 1
 """,
-    # ARGV: owner, n, ttl_ms, must_hold, floor. Returns {page, epoch, ...}, or nil when fewer than n are free.
+    # ARGV: ttl_ms, must_hold, floor, keep_free, k, k owners, k counts. All or nothing: {page, epoch, ...}
+    # for the owners in the order given, nil when fewer than (their total + keep_free) pages are free, or
+    # {'missing', owners...} when must_hold and those owners hold nothing (granting nothing).
+    # One script for a single grant and for a step's growth of many sequences (one round trip).
     "grant": """
-local owner, n, ttl_ms = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
-local okey = owner_prefix .. owner
+local ttl_ms, must_hold, keep_free, k = tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[6]), tonumber(ARGV[7])
 if not registered() then return unregistered() end
-local stale = behind(tonumber(ARGV[7]))
+local stale = behind(tonumber(ARGV[5]))
 if stale then return stale end
-if ARGV[6] == '1' and redis.call('SCARD', okey) == 0 then
-  return fail('LEDGER', owner .. ' holds no pages to extend; allocate its first pages instead')
+local total, missing = 0, {'missing'}
+for i = 1, k do
+  local owner = ARGV[7 + i]
+  if must_hold == '1' and redis.call('SCARD', owner_prefix .. owner) == 0 then missing[#missing + 1] = owner end
+  total = total + tonumber(ARGV[7 + k + i])
 end
-if n == 0 then return {} end
-if redis.call('LLEN', free) < n then return false end
-local pages = redis.call('LPOP', free, n)
-local first = redis.call('INCRBY', epoch, n) - n
-local out = {}
-for i, page in ipairs(pages) do
-  redis.call('HSET', page_owner, page, owner)
-  redis.call('HSET', page_epoch, page, int(first + i))
-  redis.call('SADD', okey, page)
-  out[#out + 1] = tonumber(page)
-  out[#out + 1] = first + i
+if #missing > 1 then return missing end
+if redis.call('LLEN', free) < total + keep_free then return false end
+if total == 0 then return {} end
+local pages = redis.call('LPOP', free, total)
+local first = redis.call('INCRBY', epoch, total) - total
+local expiry = int(now_ms() + ttl_ms)
+local out, j = {}, 0
+for i = 1, k do
+  local owner, n = ARGV[7 + i], tonumber(ARGV[7 + k + i])
+  local okey = owner_prefix .. owner
+  for _ = 1, n do
+    j = j + 1
+    local page = pages[j]
+    redis.call('HSET', page_owner, page, owner)
+    redis.call('HSET', page_epoch, page, int(first + j))
+    redis.call('SADD', okey, page)
+    out[#out + 1] = tonumber(page)
+    out[#out + 1] = first + j
+  end
+  if n > 0 then
+    redis.call('SADD', owners, owner)
+    redis.call('ZADD', leases, expiry, owner)
+  end
 end
-redis.call('SADD', owners, owner)
-redis.call('ZADD', leases, int(now_ms() + ttl_ms), owner)
 return out
 """,
     # ARGV: owner, k, k pages, k epochs. All or nothing. Returns how many pages the owner still holds.
@@ -680,24 +695,49 @@ class RedisLedger:
     def num_free(self) -> int:
         return self.redis.llen(self.key("free"))
 
-    def allocate(self, owner: str, n: int) -> Grant | None:
-        """Pop n pages off the head of the free list, each under a fresh epoch; None when fewer are free."""
-        return self._grant(owner, n, must_hold=False)
+    def allocate(self, owner: str, n: int, keep_free: int = 0) -> Grant | None:
+        """Pop n pages off the head of the free list, each under a fresh epoch; None when fewer than
+        n + keep_free are free."""
+        grants = self._grant([(owner, n)], must_hold=False, keep_free=keep_free)
+        return None if grants is None else grants[0]
 
     def extend(self, owner: str, n: int) -> Grant | None:
         """allocate() for an owner that already holds pages."""
-        return self._grant(owner, n, must_hold=True)
+        grants = self._grant([(owner, n)], must_hold=True)
+        return None if grants is None else grants[0]
 
-    def _grant(self, owner: str, n: int, must_hold: bool) -> Grant | None:
-        _check_request_owner(owner)
-        if n < 0:
-            raise LedgerError(f"pool {self.pool_id}: cannot allocate {n} pages; ask for 0 or more")
-        flat = self._call("grant", owner, n, _ms(self.lease_ttl_s), int(must_hold), self.max_epoch)
+    def extend_many(self, requests: Sequence[tuple[str, int]]) -> list[Grant] | None:
+        """extend() for several owners in one script (a step's growth): all or nothing, a Grant per owner in
+        the order given, each owner's lease renewed; None when their total does not fit now; NotHolding
+        (nothing granted) when some of them hold no pages."""
+        return self._grant(list(requests), must_hold=True)
+
+    def _grant(self, requests: list[tuple[str, int]], must_hold: bool, keep_free: int = 0) -> list[Grant] | None:
+        owners = [owner for owner, _ in requests]
+        for owner in owners:
+            _check_request_owner(owner)
+        if len(set(owners)) != len(owners):
+            raise LedgerError(f"pool {self.pool_id}: owners listed twice in one grant: {owners}")
+        for owner, n in requests:
+            if n < 0:
+                raise LedgerError(f"pool {self.pool_id}: cannot allocate {n} pages to {owner}; ask for 0 or more")
+        if keep_free < 0:
+            raise LedgerError(f"pool {self.pool_id}: cannot keep {keep_free} pages free; ask for 0 or more")
+        counts = [int(n) for _, n in requests]
+        flat = self._call("grant", _ms(self.lease_ttl_s), int(must_hold), self.max_epoch, int(keep_free),
+                          len(owners), *owners, *counts)
         if flat is None:
             return None
-        grant = Grant(tuple(flat[0::2]), tuple(flat[1::2]))
-        self.max_epoch = max(self.max_epoch, *grant.epochs) if grant.epochs else self.max_epoch
-        return grant
+        if flat and _str(flat[0]) == "missing":
+            raise NotHolding(self.pool_id, [_str(o) for o in flat[1:]])
+        grants, i = [], 0
+        for n in counts:
+            chunk = flat[2 * i: 2 * (i + n)]
+            grants.append(Grant(tuple(chunk[0::2]), tuple(chunk[1::2])))
+            i += n
+        if flat:
+            self.max_epoch = max(self.max_epoch, *flat[1::2])
+        return grants
 
     def free(self, owner: str, pages: Sequence[int], epochs: Sequence[int]) -> int | None:
         """Return pages to the tail of the free list; all or nothing, only at the epochs they were granted.

@@ -55,9 +55,10 @@ class PrefixCache:
             found.append(hit)
         return found
 
-    def admit(self, seq: Sequence, num_pages: int) -> bool:
-        """Gives a waiting sequence its pages: the cached prefix of its scope (read, shared) and `num_pages`
-        minus those of its own. False when they do not fit now (nothing is held then)."""
+    def admit(self, seq: Sequence, pages_short, keep_free: int = 0) -> bool:
+        """Gives a waiting sequence its pages: the cached prefix of its scope (read, shared), then
+        `pages_short(seq)` of its own, leaving `keep_free` free. False when they do not fit now (nothing is
+        held then)."""
         hits = self.match(seq) if seq.salt else []
         if seq.salt:
             self.queries[seq.salt] += 1
@@ -65,7 +66,7 @@ class PrefixCache:
             hits = []
         for h in reversed(hits):  # in use: the last to be evicted, the chain's tail before its head
             self.lru.move_to_end(h.page)
-        if not self.bm.allocate(seq, num_pages - len(hits)):
+        if not self.bm.allocate(seq, pages_short(seq), keep_free):
             self.bm.unshare(seq)
             return False
         seq.num_cached = seq.cached_tokens = len(hits) * self.page_size
@@ -90,7 +91,10 @@ class PrefixCache:
     def evict(self, num_pages: int) -> int:
         """Evicts least-recently-used cached pages nobody reads, until `num_pages` are free (or none is left
         to evict); returns how many it evicted."""
-        short = num_pages - self.bm.num_free()
+        free = self.bm.num_free()
+        if free is None:  # the ledger is unreachable: no shortage is known
+            return 0
+        short = num_pages - free
         chosen = []
         for page, c in self.lru.items():
             if len(chosen) >= short:

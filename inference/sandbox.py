@@ -150,12 +150,15 @@ class IncidentReplay:
         capacity = self.decode.capacity_tokens
         if len(ids) >= capacity:
             raise ValueError(f"previous request has {len(ids)} tokens; the sandbox decode pool holds {capacity}")
-        # P reserves the whole pool (prompt + max_tokens == capacity), so O is later handed P's pages in P's
+        # P holds the whole pool (prompt + max_tokens == capacity; taken up front, since an engine otherwise
+        # gives pages as a sequence grows), so O is later handed P's pages in P's
         # order. It answers until its sentinel is out (or `previous_max_steps`); its pages' bytes are recorded
         # then, while it still holds them, and it finishes through the engine's own release (scrub by policy).
         params = SamplingParams(max_tokens=capacity - len(ids), temperature=0.0, seed=0, ignore_eos=True)
         rid = f"sandbox-previous-{uuid.uuid4().hex[:8]}"
         seq = self.decode.add_request(rid, ids, params)
+        if not self.decode.block_manager.allocate(seq, self.decode.num_pages):  # held whole, as in the incident
+            raise RuntimeError("sandbox: the decode pool is not empty before the previous request")
         for _ in range(self.previous_max_steps):
             self.decode.step()
             if seq.is_done or normalize(self.sentinel) in normalize(seq.text):

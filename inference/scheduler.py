@@ -1,8 +1,13 @@
-"""Continuous batching: every step runs one token for each decoding sequence plus prefill chunks
-(up to `chunk_size` prompt tokens in all), so a new request never waits for a batch to drain.
+"""Continuous batching with pages on demand: every step runs one token for each decoding sequence plus
+prefill chunks (up to `chunk_size` tokens in all), so a new request never waits for a batch to drain.
 
-A request's pages are reserved whole (prompt + max_tokens) when it is admitted to the batch: it
-then never needs preemption. One that does not fit now waits; one that can never fit is refused.
+A sequence holds pages for what it has written plus the page it is writing. It is admitted with the pages
+of what it prefills (its prompt; prompt + output so far when it resumes); each step the sequences about
+to cross a page boundary grow together in one ledger call (`BlockManager.append_slots`). When the pool
+cannot give them their pages, the most recently admitted sequence is preempted: its pages are freed and
+scrubbed like a finished sequence's, and it goes back to the front of the queue to be recomputed (prefill
+of its prompt and the tokens it had generated). Admission itself is unchanged: a request whose prompt +
+max_tokens can never fit the pool is refused before any page is taken, so a sequence alone always fits.
 """
 from collections import deque
 from dataclasses import dataclass
@@ -22,14 +27,20 @@ class RequestTooLarge(Exception):
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, chunk_size: int = 512, max_num_seqs: int = 64):
+    def __init__(self, block_manager: BlockManager, chunk_size: int = 512, max_num_seqs: int = 64,
+                 watermark_pages: int = 0, reserve_whole: bool = False):
         self.block_manager = block_manager
         self.chunk_size = chunk_size
         self.max_num_seqs = max_num_seqs
+        self.watermark_pages = watermark_pages  # free pages admission leaves for running sequences to grow into
+        self.reserve_whole = reserve_whole  # bench.ondemand's baseline only: prompt + max_tokens at admission
+        self.waiting: deque[Sequence] = deque()  # preempted sequences first, then new ones in arrival order
         # gives a waiting sequence its pages (False: not now); the prefix cache replaces it to reuse pages
-        self.admit = lambda seq: block_manager.allocate(seq, seq.num_pages_needed(block_manager.page_size))
-        self.waiting: deque[Sequence] = deque()
+        self.admit = lambda seq: block_manager.allocate(seq, self.pages_to_admit(seq, seq.num_tokens),
+                                                        self.admission_keep_free())
         self.active: list[Sequence] = []  # PREFILLING or RUNNING, in admission order
+        self.preempted: list[Sequence] = []  # preempted by the last schedule() (the engine drops their rows)
+        self.num_preemptions = 0
 
     @property
     def has_work(self) -> bool:
@@ -49,28 +60,68 @@ class Scheduler:
         seq.status = SeqStatus.RUNNING
         self.active.append(seq)
 
+    # ---- page counts (the one place each rule lives) ----------------------------------------
+    def pages_to_admit(self, seq: Sequence, num_tokens: int) -> int:
+        """Pages a sequence is admitted with when it will have written `num_tokens` tokens."""
+        if self.reserve_whole:
+            return max(0, seq.num_pages_needed(self.block_manager.page_size) - len(seq.block_table))
+        return self.block_manager.pages_short(seq, num_tokens)
+
+    def admission_keep_free(self) -> int:
+        """Free pages an admission must leave: the watermark, unless nothing runs (a sequence alone fits)."""
+        return self.watermark_pages if self.active else 0
+
+    # ---- one step ---------------------------------------------------------------------------
     def schedule(self) -> list[ScheduledChunk]:
+        self.preempted = []
+        stalled = self._grow()
         chunks = []
         budget = self.chunk_size
         for seq in self.active:
-            if seq.status is SeqStatus.RUNNING:
+            if seq.status is SeqStatus.RUNNING and seq not in stalled:
                 chunks.append(ScheduledChunk(seq, 1))
         for seq in self.active:
             if seq.status is SeqStatus.PREFILLING and budget > 0:
-                n = min(budget, seq.num_prompt_tokens - seq.num_cached)
+                n = min(budget, seq.num_tokens - seq.num_cached)
                 chunks.append(ScheduledChunk(seq, n))
                 budget -= n
-        while self.waiting and budget > 0 and len(self.active) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.active) < self.max_num_seqs and not self.preempted:
             seq = self.waiting[0]
             if not self.admit(seq):
                 break  # does not fit now: it waits, and so does everything behind it (FIFO)
             self.waiting.popleft()
             seq.status = SeqStatus.PREFILLING
             self.active.append(seq)
-            n = min(budget, seq.num_prompt_tokens - seq.num_cached)  # a cached prefix is not computed again
+            n = min(budget, seq.num_tokens - seq.num_cached)  # a cached prefix is not computed again
             chunks.append(ScheduledChunk(seq, n))
             budget -= n
         return chunks
+
+    def _grow(self) -> set[Sequence]:
+        """Gives every running sequence the page its next token goes to, in one ledger call, preempting the
+        most recently admitted sequences until that fits. Returns the sequences that sit this step out:
+        all of them when the ledger could not be reached (no shortage is known, so nobody is preempted
+        for it), or those the ledger no longer lists as owners (lease lost; their worker fails them)."""
+        while True:
+            grows = [(s, n) for s in self.active if s.status is SeqStatus.RUNNING
+                     and (n := self.block_manager.pages_short(s, s.num_cached + 1))]
+            if not grows:
+                return set()
+            if self.block_manager.append_slots(grows):  # still short: its lease was lost (its worker fails it)
+                return {s for s, _ in grows if self.block_manager.pages_short(s, s.num_cached + 1)}
+            if self.block_manager.can_append(grows):
+                return {s for s, _ in grows}
+            self.preempt(self.active[-1])
+
+    def preempt(self, seq: Sequence) -> None:
+        """Frees `seq`'s pages (scrubbed, exactly as at a finish) and queues it first, to be recomputed."""
+        self.active.remove(seq)
+        self.block_manager.deallocate(seq)
+        seq.status, seq.num_cached = SeqStatus.WAITING, 0
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        self.preempted.append(seq)
+        self.num_preemptions += 1
 
     def remove(self, seq: Sequence) -> None:
         if seq in self.active:

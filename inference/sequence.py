@@ -64,6 +64,7 @@ class Sequence:
         self.text_stream = None  # the incremental detokenizer (inference.tokenizer.TextStream), made by the engine
         self.transfer_ms: float | None = None  # time to pull the handoff's KV (decode side)
         self.read_record: dict | None = None  # set when the sequence finishes (BlockManager.read_record)
+        self.num_preemptions = 0  # times its pages were taken back and it was recomputed
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -91,7 +92,8 @@ class Sequence:
         return self.prompt_ids[start:] + self.output_ids[: end - n]
 
     def num_pages_needed(self, page_size: int) -> int:
-        """Pages for the whole request: prompt plus every token it may generate."""
+        """Pages for the whole request: prompt plus every token it may generate (admission's bound; a
+        sequence holds only what it has written, plus the page it writes)."""
         return cdiv(self.num_prompt_tokens + self.params.max_tokens, page_size)
 
     def __repr__(self):

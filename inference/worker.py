@@ -477,7 +477,11 @@ class WorkerRuntime:
             if ev.finished:
                 finished.append(seq)
         self._publish(out)
-        self._finish(finished, self._host.take_refused(), exported)
+        refused = self._host.take_refused()
+        self._finish(finished, refused, exported)
+        for rid in refused - {seq.request_id for seq in finished}:  # a preemption's free was refused: lease lost
+            if rid in self._futures:
+                self._lease_lost(rid, ())
         e.pop_finished()
         for violation in e.take_violations():  # each already failed its request closed, with its error event
             self.metrics.on_violation(violation.kind)

@@ -42,7 +42,7 @@ app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()  # <app>/tasks.py of every installed Django app
 app.autodiscover_tasks(["inference"])  # inference/tasks.py, when the engine provides one
 
-from celery.signals import worker_init, worker_shutdown  # noqa: E402
+from celery.signals import task_postrun, worker_init, worker_shutdown  # noqa: E402
 
 
 @worker_init.connect
@@ -60,3 +60,38 @@ def _engine_stop(**_):
     from kvserve.chat.runtime import runtime_stop
 
     runtime_stop()
+
+
+# Deliveries an engine worker holds (kvserve/deliveries.py): the reaper puts them back when the worker is gone.
+def _note_deliveries() -> None:
+    """Notes each message as kombu records it unacked (QoS.append, when the consumer takes it off the queue),
+    not at Celery's task_received, which comes later on a busy worker: a worker killed in between would
+    leave a message no one puts back."""
+    from kombu.transport import redis as kombu_redis
+
+    append = kombu_redis.QoS.append
+
+    def _append(self, message, delivery_tag):
+        append(self, message, delivery_tag)
+        from kvserve.chat.runtime import runtime_worker_id
+
+        worker_id, task_id = runtime_worker_id(), (message.headers or {}).get("id")
+        if worker_id and task_id:
+            from kvserve.deliveries import delivery_note
+
+            delivery_note(worker_id, task_id, delivery_tag)
+
+    kombu_redis.QoS.append = _append
+
+
+_note_deliveries()
+
+
+@task_postrun.connect
+def _delivery_ran(task_id=None, **_):
+    from kvserve.chat.runtime import runtime_worker_id
+    from kvserve.deliveries import delivery_done
+
+    worker_id = runtime_worker_id()
+    if worker_id and task_id:
+        delivery_done(worker_id, task_id)

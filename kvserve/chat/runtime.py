@@ -62,6 +62,12 @@ def runtime_get():
     return runtime
 
 
+def runtime_worker_id() -> str | None:
+    """This process's engine worker id, or None where no engine runs (web, beat, a maintenance-only worker)."""
+    runtime = _runtime.get("current")
+    return runtime.worker_id if runtime else None
+
+
 def runtime_stop() -> None:
     runtime = _runtime.pop("current", None)
     if runtime:

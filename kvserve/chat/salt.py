@@ -46,3 +46,19 @@ def request_salt(tenant, user: str | None) -> str:
 
     scope = prefix_scope(tenant.id, tenant.name, share_groups_parse(settings.KVSERVE_PREFIX_SHARE_GROUPS))
     return prefix_salt(settings.KVSERVE_PREFIX_SALT_KEY.encode(), scope, user)
+
+
+def scope_owners() -> dict[str, tuple[int | None, str]]:
+    """salt -> (tenant id, tenant name) of every tenant's own scope, and (None, "share group g") of each share
+    group's, for the dashboard's page map. A scope narrowed by `user` is in neither (it cannot be named)."""
+    from django.conf import settings
+
+    from kvserve.tenants.models import Tenant
+
+    key, groups = settings.KVSERVE_PREFIX_SALT_KEY.encode(), share_groups_parse(settings.KVSERVE_PREFIX_SHARE_GROUPS)
+    out: dict[str, tuple[int | None, str]] = {prefix_salt(key, f"group:{g}"): (None, f"share group {g}")
+                                              for g in set(groups.values())}
+    for tenant_id, name in Tenant.objects.values_list("id", "name"):
+        if name not in groups:
+            out[prefix_salt(key, prefix_scope(tenant_id, name, groups))] = (tenant_id, name)
+    return out

@@ -28,6 +28,7 @@ from kvserve.chat.metrics import (admission_rejection_count_incr, chat_metrics_d
                                   chat_metrics_prefilled, chat_metrics_refused)
 from kvserve.chat.models import ChatRequest
 from kvserve.chat.salt import request_salt
+from kvserve.deliveries import deliveries_restore
 from kvserve.errors import ApiError
 from kvserve.workers import cancels_get, outputs_get, redis_get, registry_get
 
@@ -235,7 +236,7 @@ def chat_request_prefill(request_id: str, prompt_ids: list[int]) -> None:
     if not mine.update(handoff_verdict=handoff.verdict.value, prefill_finished_at=req.prefill_finished_at):
         runtime.transport.discard(req.id)  # ended meanwhile: nobody will decode it
         return
-    chat_metrics_prefilled(req, handoff.verdict.value)
+    chat_metrics_prefilled(req, handoff.verdict.value, handoff.cached_tokens)
     from kvserve.chat.tasks import decode
 
     decode.delay(req.id, prompt_ids, handoff.to_dict())
@@ -339,6 +340,8 @@ def runtime_on_quarantine(runtime, quarantined: bool) -> None:
 # interval, is not enough. The reaper never marks a page clean: only a pool's own worker scrubs. It retires
 # (deletes) the pool of a worker gone for POOL_RETIRE_ROUNDS rounds; if that worker was alive after all,
 # its next heartbeat finds the pool missing and it scrubs its whole tensor before registering again.
+# The task messages a gone worker had received (prefetched or running) go back on their queues at once
+# (kvserve/deliveries.py) instead of after the broker's visibility timeout.
 WORKER_LOST_ROUNDS = 1
 POOL_RETIRE_ROUNDS = 3
 
@@ -355,6 +358,7 @@ def requests_reap_orphans() -> dict:
     silence = registry.silence(live | set(pools) | {w for w in holders.values() if w})
     gone = {w for w, rounds in silence.items() if w not in live and rounds >= WORKER_LOST_ROUNDS}
     failed, timed_out = [], []
+    restored = {w: ids for w in sorted(gone) if (ids := deliveries_restore(w))}
     waited_since = timezone.now() - timedelta(seconds=settings.KVSERVE_QUEUE_TIMEOUT_S)
     for row in rows:
         worker = holders[row.id]
@@ -372,7 +376,7 @@ def requests_reap_orphans() -> dict:
         if pool_id not in live and silence.get(pool_id, 0) >= POOL_RETIRE_ROUNDS:
             entry.update(_retire(registry, redis_client, prefix, pool_id))
         report.append(entry)
-    return {"failed_requests": failed, "timed_out_requests": timed_out, "pools": report}
+    return {"failed_requests": failed, "timed_out_requests": timed_out, "restored_tasks": restored, "pools": report}
 
 
 def _holder(row: ChatRequest) -> str | None:

@@ -24,3 +24,17 @@ def test_guards_quick_ends_with_one_json_line():
     assert result["ledger_allocate_p50_us"] <= result["ledger_allocate_p99_us"]
     assert result["ledger_free_p50_us"] <= result["ledger_free_p99_us"]
     assert result["outputs_match"] is True
+
+
+def test_ondemand_quick_ends_with_one_json_line_and_on_demand_holds_more_sequences():
+    proc = subprocess.run([sys.executable, "-m", "bench.ondemand", "--quick", "--threads", "1"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in ("ratio_concurrent_median", "ratio_concurrent_peak", "ratio_tok_s", "on_demand_median_running",
+                "reserve_whole_median_running", "on_demand_tok_s", "reserve_whole_tok_s"):
+        assert isinstance(result[key], (int, float)) and result[key] > 0, (key, result[key])
+    # a count, not a timing: reserve-whole holds 3 of these requests in 64 pages, on demand every one that fits
+    assert result["reserve_whole_peak_running"] == 3 and result["on_demand_peak_running"] > 3
+    assert result["on_demand_stopped_at_eos"] == result["requests"] == 16
+    assert result["outputs_match"] is True

@@ -63,7 +63,7 @@ def test_metrics_read_live_state(client, registry, make_worker, tiny_model, djan
         chat_request(tenant, status=status)
     done = _row(tenant, status="done")
     done.created_at = done.prefill_started_at - timedelta(seconds=0.3)
-    chat_metrics_prefilled(done, "OK")
+    chat_metrics_prefilled(done, "OK", cached_tokens=32)
     seq = Sequence(done.id, [1, 2, 3], SamplingParams(max_tokens=4))
     seq.status, seq.finish_reason, seq.transfer_ms = SeqStatus.FINISHED, "length", 4.0
     chat_metrics_decoded(done, seq)
@@ -108,6 +108,9 @@ def test_metrics_read_live_state(client, registry, make_worker, tiny_model, djan
     assert b"acme" not in client.get("/metrics").content
     assert m[("kvserve_admission_rejections_total", (("reason", "context_length_exceeded"),))] == 2
     assert m[("kvserve_prompt_tokens_total", (("model_name", MODEL),))] == 40
+    by_tenant = (("model_name", MODEL), ("tenant", str(tenant.id)))  # the tenant's id, never its name
+    assert m[("kvserve_prefix_cache_queries_total", by_tenant)] == 40
+    assert m[("kvserve_prefix_cache_hits_total", by_tenant)] == 32
     assert m[("kvserve_handoff_verdicts_total", (("model_name", MODEL), ("verdict", "OK")))] == 1
     assert m[("kvserve_handoff_verdicts_total", (("model_name", MODEL), ("verdict", "REJECTED")))] == 1
     assert m[("kvserve_decode_verdicts_total", (("model_name", MODEL), ("verdict", "accepted")))] == 1

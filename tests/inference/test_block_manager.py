@@ -127,3 +127,24 @@ def test_scrub_off_is_refused_unless_the_no_scrub_fault_is_set(monkeypatch, tiny
         Engine(tiny_model, EngineConfig.from_env(num_pages=8, device="cpu"))
     monkeypatch.setenv("KVSERVE_FAULTS", "no_scrub")
     assert Engine(tiny_model, EngineConfig.from_env(num_pages=8, device="cpu")).block_manager.scrub_policy == "off"
+
+
+def test_append_slots_grows_several_sequences_at_once_and_the_mirror_sees_every_grown_page():
+    bm, pool = setup(num_pages=6, scrub="on_alloc")
+    a, b = seq("a"), seq("b")
+    bm.allocate(a, 2)
+    bm.allocate(b, 2)
+    assert bm.pages_short(a, 8) == 0 and bm.pages_short(a, 9) == 1 and bm.pages_short(a, 13) == 2
+    pool.data[4:6].fill_(5.0)  # leftovers: on_alloc scrubs grown pages too
+    assert bm.can_append([(a, 1), (b, 1)]) and not bm.can_append([(a, 2), (b, 1)])
+    assert not bm.append_slots([(a, 2), (b, 1)]) and a.block_table == [0, 1] and bm.num_free() == 2
+    assert bm.append_slots([(a, 1), (b, 1)])
+    assert (a.block_table, b.block_table) == ([0, 1, 4], [2, 3, 5]) and (a.page_epochs[-1], b.page_epochs[-1]) == (5, 6)
+    assert (bm.owner[4], bm.epoch[4], bm.written[4]) == ("a", 5, 0) and bool((pool.data[4:6] == 0).all())
+    bm.mark_written(a, 8)
+    a.num_cached = 8
+    with pytest.raises(OwnershipViolation) as err:  # the grown page is its own, but nothing was written there
+        bm.check_reads(a, num_past=9, num_new=1)
+    assert err.value.violation.kind == "unwritten_read" and err.value.violation.page == 4
+    bm.check_reads(a, num_past=8, num_new=1)
+    bm.allocator.check_integrity()

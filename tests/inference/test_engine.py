@@ -39,8 +39,8 @@ def test_eight_mixed_prompts_with_mid_flight_joins_match_each_alone(real_model):
 
 def test_a_request_that_does_not_fit_now_waits_and_then_runs(tiny_model):
     engine = make_engine(tiny_model, num_pages=6, page_size=4)
-    first = engine.add_request("a", list(range(10, 22)), greedy(8))  # 20 tokens = 5 pages
-    second = engine.add_request("b", list(range(10, 18)), greedy(4))  # 12 tokens = 3 pages
+    first = engine.add_request("a", list(range(10, 30)), greedy(4))  # a 20-token prompt = 5 pages at admission
+    second = engine.add_request("b", list(range(10, 18)), greedy(4))  # an 8-token prompt = 2 pages
     engine.step()
     assert first.status is SeqStatus.RUNNING and second.status is SeqStatus.WAITING
     assert second.block_table == [] and engine.block_manager.num_free() == 1

@@ -100,7 +100,7 @@ def test_contract_violations_raise(pool, redis_client, ledger_prefix):
     before = dump(redis_client, ledger_prefix)
     with pytest.raises(LedgerError, match="cannot allocate -1 pages"):
         pool.allocate("a", -1)
-    with pytest.raises(LedgerError, match="holds no pages to extend"):
+    with pytest.raises(LedgerError, match="hold no pages to extend"):
         pool.extend("a", 1)
     with pytest.raises(LedgerError, match="non-empty string"):
         pool.allocate("", 1)
@@ -514,4 +514,68 @@ def test_four_processes_never_share_a_page(redis_client, ledger_prefix):
         for (e1, o1, _, freeing), (e2, o2, granted, _) in zip(grants, grants[1:]):
             assert freeing < granted, f"page {page}: {o1}@{e1} still held when {o2}@{e2} was granted"
     assert pool.num_free() == 12
+    pool.check_integrity()
+
+
+# ---- growth: many owners in one script (the scheduler's step), admission's keep_free ------------------
+
+def test_extend_many_grows_every_owner_in_one_script_all_or_nothing(pool, redis_client, ledger_prefix):
+    pool.allocate("a", 1)
+    pool.allocate("b", 2)
+    pool.renew_leases(["a", "b"], ttl_s=1)
+    before = dump(redis_client, ledger_prefix)
+    assert pool.extend_many([("a", 3), ("b", 3)]) is None  # 6 > 5 free: nothing taken
+    assert dump(redis_client, ledger_prefix) == before
+    calls = []
+    real = pool._call
+    pool._call = lambda *args: calls.append(args[0]) or real(*args)
+    assert pool.extend_many([("b", 1), ("a", 2)]) == [Grant((3,), (4,)), Grant((4, 5), (5, 6))]
+    assert calls == ["grant"]  # one round trip for every sequence crossing a page boundary
+    assert pool.pages_of("a") == {0: 1, 4: 5, 5: 6} and pool.pages_of("b") == {1: 2, 2: 3, 3: 4}
+    for owner in ("a", "b"):  # each grown owner's lease is renewed with its grant
+        assert abs(redis_client.zscore(pool.key("leases"), owner) - (server_ms(redis_client) + 30_000)) < 2000
+    assert pool.extend_many([]) == []
+    with pytest.raises(LedgerError, match="hold no pages to extend"):
+        pool.extend_many([("a", 1), ("nobody", 1)])
+    with pytest.raises(LedgerError, match="listed twice"):
+        pool.extend_many([("a", 1), ("a", 1)])
+    assert pool.num_free() == 2
+    pool.check_integrity()
+
+
+def test_allocate_keeps_free_what_it_is_told_to(pool):
+    pool.allocate("a", 5)
+    assert pool.allocate("b", 1, keep_free=3) is None
+    assert pool.allocate("b", 1, keep_free=2) == Grant((5,), (6,))
+    pool.check_integrity()
+
+
+def test_lease_renewal_covers_grown_pages_and_a_lost_lease_reaps_them_all(pool, redis_client):
+    from inference.host_ledger import HostLedger
+
+    host = HostLedger(pool)
+    host.allocate("a", 1)
+    host.allocate("b", 1)
+    assert [g.pages for g in host.extend_many([("a", 2), ("b", 1)])] == [(2, 3), (4,)]
+    step = server_ms(redis_client) + 10**9  # far past every lease: only what the beat renews survives
+    assert host.beat(now_ms=step) == Beat((), ())
+    assert pool.pages_of("a") == {0: 1, 2: 3, 3: 4} and pool.pages_of("b") == {1: 2, 4: 5}
+    pool.check_integrity()
+    (event,) = [e for e in pool.reap_expired(now_ms=step + 31_000) if e.owner == "a"] or [None]
+    assert event is not None and event.pages == (0, 2, 3)  # the grown pages go with the lease
+    assert pool.take_dirty("w") == [0, 1, 2, 3, 4]
+    pool.check_integrity()
+
+
+def test_a_grow_for_an_owner_whose_lease_was_reaped_grants_the_others_and_reports_it_refused(pool, redis_client):
+    from inference.host_ledger import HostLedger
+
+    host = HostLedger(pool)
+    host.allocate("a", 1)
+    host.allocate("b", 1)
+    step = server_ms(redis_client) + 10**9
+    pool.beat(["b"], now_ms=step)  # a's lease runs out: reaped into the dirty set
+    grants = host.extend_many([("a", 1), ("b", 2)])
+    assert grants == [Grant((), ()), Grant((2, 3), (3, 4))]
+    assert host.take_refused() == {"a"} and pool.pages_of("a") == {}
     pool.check_integrity()

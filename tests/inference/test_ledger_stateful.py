@@ -55,7 +55,7 @@ class LedgerMachine(RuleBasedStateMachine):
         if self.held(owner):
             self._grant(owner, n, self.ledger.extend)
         else:
-            with pytest.raises(LedgerError, match="holds no pages to extend"):
+            with pytest.raises(LedgerError, match="hold no pages to extend"):
                 self.ledger.extend(owner, n)
 
     @rule(owner=st.sampled_from(OWNERS), data=st.data())

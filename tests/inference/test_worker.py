@@ -302,7 +302,7 @@ def test_a_request_that_finishes_after_its_lease_was_reaped_fails_lease_lost(fau
     thread, box = start_decode(prefill, decode, "r2", max_tokens=300)
     with Held(decode):
         RedisLedger(redis_client, decode.worker_id, prefix=decode.options.prefix).reap_expired(now_ms=10**15)
-    thread.join(60)  # no beat: the request ran on to its end and its free was refused
+    thread.join(60)  # no beat: its next page grant (or its free at the end) was refused
     assert box["error"].code == "lease_lost" and seen["lease_lost"] == ["r2"] and not seen["violations"]
     decode.beat()  # the reaped pages are then scrubbed by this worker and marked clean
     wait_until(lambda: decode.ledger.num_free() == 64)
@@ -412,3 +412,42 @@ def test_a_cancel_flag_aborts_the_running_request_and_frees_its_pages(fault_runt
     thread.join(30)
     assert box["error"].code == "client_disconnected"
     assert decode.ledger.num_free() == 64 and not decode.engine.has_request("r7")
+
+
+def test_a_decode_pool_short_of_pages_preempts_and_recomputes_from_the_sequences_own_tokens(redis_client, ledger_prefix,
+                                                                                          tiny_model):
+    opts = RuntimeOptions(prefix=ledger_prefix, lease_ttl_s=30, registry_ttl_s=15)
+    cfg = dict(page_size=16, window=128)
+    prefill = WorkerRuntime("prefill", redis_client, KEY, model=tiny_model, config=EngineConfig(num_pages=16, **cfg),
+                            options=opts)
+    decode = WorkerRuntime("decode", redis_client, KEY, model=tiny_model, config=EngineConfig(num_pages=8, **cfg),
+                           options=opts)
+    try:
+        prompts = {f"r{i}": list(range(10 + i, 50 + i)) for i in range(2)}  # 3 pages each, 6 at the end: 12 > 8
+        alone = {rid: make_engine(tiny_model).generate([p], greedy(50))[0].output_ids for rid, p in prompts.items()}
+        handoffs = {rid: prefill.prefill(rid, p, greedy(50)).to_dict() for rid, p in prompts.items()}
+        assert prefill.ledger.num_free() == 16
+        box = {}
+
+        def run(rid):
+            box[rid] = decode.decode(rid, prompts[rid], greedy(50), handoffs[rid])
+
+        with Held(decode):  # both join the batch before either can finish
+            threads = [threading.Thread(target=run, args=(rid,), daemon=True) for rid in prompts]
+            for t in threads:
+                t.start()
+            wait_until(lambda: decode.engine.has_request("r0") and not decode._commands.empty()
+                       or len(decode.engine.seqs) == 2)
+        for t in threads:
+            t.join(60)
+        assert {rid: box[rid].output_ids for rid in prompts} == alone
+        assert decode.engine.scheduler.num_preemptions >= 1 and box["r1"].num_preemptions >= 1
+        assert decode.ledger.num_free() == 8
+        decode.ledger.check_integrity()
+        for rid in prompts:
+            events = list(decode.outputs.read(rid, timeout_s=5))
+            assert events[-1]["type"] == "done" and events[-1]["usage"]["completion_tokens"] == 50
+            assert "".join(e.get("text", "") for e in events) == box[rid].text  # no text twice after a recompute
+    finally:
+        prefill.stop()
+        decode.stop()

@@ -1,0 +1,56 @@
+"""Which broker deliveries each engine worker holds, so that the reaper can put back on their queues the task
+messages a worker received (prefetched or running) when it is gone. Owns the Redis key
+`{KVSERVE_LEDGER_PREFIX}:deliveries:{worker_id}` (a hash: task id -> delivery tag).
+
+Without it, a message a dead worker had received waits in kombu's `unacked` hash for the whole visibility
+timeout (an hour: it must outlast the longest decode) and its request for the queue timeout. Putting a
+message back is always safe: claims are exclusive and count deliveries (kvserve/celery.py), so a copy
+whose request another delivery holds, or that already ended, does nothing."""
+import logging
+
+from django.conf import settings
+from kombu import Connection
+
+from kvserve.workers import redis_client
+
+log = logging.getLogger(__name__)
+
+
+def deliveries_key(worker_id: str) -> str:
+    return f"{settings.KVSERVE_LEDGER_PREFIX}:deliveries:{worker_id}"
+
+
+def delivery_note(worker_id: str, task_id: str, tag: str) -> None:
+    """The worker received a message (task_received: also for one it only prefetched)."""
+    key = deliveries_key(worker_id)
+    pipe = redis_client(settings.REDIS_URL).pipeline(transaction=False)
+    pipe.hset(key, task_id, tag)
+    # a worker nobody reaps (its Redis lost, the reaper not scheduled) leaves nothing behind for long
+    pipe.expire(key, settings.CELERY_BROKER_TRANSPORT_OPTIONS["visibility_timeout"])
+    pipe.execute()
+
+
+def delivery_done(worker_id: str, task_id: str) -> None:
+    """The task ran (its message is acked next, acks_late): nothing to put back."""
+    redis_client(settings.REDIS_URL).hdel(deliveries_key(worker_id), task_id)
+
+
+def deliveries_restore(worker_id: str) -> list[str]:
+    """Puts back, at the front of their queues, the messages gone worker `worker_id` received and never
+    acked; forgets the rest. Returns the ids of the tasks put back."""
+    client = redis_client(settings.REDIS_URL)
+    held = {k.decode(): v.decode() for k, v in client.hgetall(deliveries_key(worker_id)).items()}
+    restored = []
+    if held:
+        with Connection(settings.CELERY_BROKER_URL, transport_options=settings.CELERY_BROKER_TRANSPORT_OPTIONS) as conn:
+            channel = conn.default_channel
+            unacked = channel.client  # prefixed like the transport's own keys (global_keyprefix)
+            for task_id, tag in held.items():
+                if unacked.hget(channel.unacked_key, tag) is not None:  # HGET: a command kombu prefixes
+                    channel.qos.restore_by_tag(tag)
+                    restored.append(task_id)
+    client.delete(deliveries_key(worker_id))
+    if restored:
+        log.warning("put back %d task message(s) gone worker %s had received: %s", len(restored), worker_id,
+                    ", ".join(restored))
+    return restored

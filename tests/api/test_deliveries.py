@@ -1,0 +1,95 @@
+"""Task messages a gone worker had received go back on their queue, through the reaper: real kombu over the
+test Redis (its own broker key prefix), the real database. A consumer that never acks stands for the worker
+SIGKILLed with messages prefetched (a graceful close would restore them itself)."""
+import uuid
+
+import pytest
+from kombu import Connection, Exchange, Queue
+
+from kvserve.chat.services import requests_reap_orphans
+from kvserve.deliveries import deliveries_key, deliveries_restore, delivery_done, delivery_note
+from tests.conftest import TEST_REDIS_URL
+from tests.incidents.helpers import live_worker
+
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("registry_settings")]
+
+
+@pytest.fixture
+def broker(settings, registry_redis):
+    prefix = f"kvstest-broker-{uuid.uuid4().hex[:8]}:"
+    settings.CELERY_BROKER_URL = TEST_REDIS_URL
+    settings.CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 3600, "global_keyprefix": prefix}
+    conns = []
+
+    def connect() -> Connection:
+        conns.append(Connection(TEST_REDIS_URL, transport_options=settings.CELERY_BROKER_TRANSPORT_OPTIONS))
+        return conns[-1]
+
+    yield connect
+    for c in conns:
+        c.release()
+    keys = list(registry_redis.scan_iter(match=f"{prefix}*", count=1000))
+    if keys:
+        registry_redis.delete(*keys)
+
+
+def receive_without_ack(connect, queue: Queue, n: int):
+    """Takes n messages off the queue the way a worker's consumer does, and never acks them."""
+    conn = connect()
+    channel = conn.channel()
+    got = []
+    consumer = conn.Consumer(queue, channel=channel, callbacks=[lambda body, message: got.append(message)],
+                             prefetch_count=n)
+    consumer.consume()
+    while len(got) < n:
+        conn.drain_events(timeout=5)
+    return got
+
+
+def publish(connect, queue: Queue, bodies):
+    with connect() as conn:
+        producer = conn.Producer()
+        for body in bodies:
+            producer.publish(body, exchange=queue.exchange, routing_key=queue.routing_key, declare=[queue])
+
+
+def queued(connect, queue: Queue) -> list:
+    with connect() as conn:
+        q = conn.SimpleQueue(queue)
+        out = []
+        while True:
+            try:
+                m = q.get(timeout=0.5)
+            except q.Empty:
+                return out
+            out.append(m.payload)
+            m.ack()
+
+
+def test_the_reaper_puts_back_what_a_gone_worker_received_and_never_acked(broker, registry, make_worker, registry_redis):
+    queue = Queue("prefill-test", Exchange("prefill-test"), routing_key="prefill-test")
+    publish(broker, queue, [{"request": "r-1"}, {"request": "r-2"}, {"request": "r-3"}])
+    held = receive_without_ack(broker, queue, 3)
+    live_worker(registry, make_worker, "prefill", worker_id="prefill-1")
+    for i, message in enumerate(held):
+        delivery_note("prefill-1", f"task-{i}", message.delivery_tag)
+    delivery_done("prefill-1", "task-2")  # this one ran: its message is the worker's to ack, not put back
+    registry.unregister("prefill-1")  # SIGKILL: no beat from here on
+
+    assert requests_reap_orphans()["restored_tasks"] == {}  # it beat since the last round: not gone yet
+    assert queued(broker, queue) == []
+    report = requests_reap_orphans()
+    assert report["restored_tasks"] == {"prefill-1": ["task-0", "task-1"]}
+    assert sorted(b["request"] for b in queued(broker, queue)) == ["r-1", "r-2"]
+    assert not registry_redis.exists(deliveries_key("prefill-1"))
+    assert requests_reap_orphans()["restored_tasks"] == {}  # once
+
+
+def test_a_message_already_acked_or_put_back_is_not_restored_again(broker, registry_redis):
+    queue = Queue("decode-test", Exchange("decode-test"), routing_key="decode-test")
+    publish(broker, queue, [{"request": "r-9"}])
+    (message,) = receive_without_ack(broker, queue, 1)
+    delivery_note("decode-1", "task-9", message.delivery_tag)
+    message.ack()
+    assert deliveries_restore("decode-1") == []
+    assert queued(broker, queue) == []

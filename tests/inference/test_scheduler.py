@@ -1,0 +1,182 @@
+"""Pages on demand: a sequence holds what it has written plus the page it writes, a step's growth is one
+ledger call, a shortage preempts the most recently admitted sequence (freed and scrubbed like a finish,
+recomputed later with the same greedy output), and the scheduler never overcommits the pool."""
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from inference.allocator import LocalAllocator
+from inference.block_manager import OwnershipViolation
+from inference.kv_cache import cdiv
+from inference.scheduler import RequestTooLarge
+from inference.sequence import SamplingParams, Sequence, SeqStatus
+from tests.inference.helpers import greedy, make_engine, run_until_done
+
+
+class CountingAllocator(LocalAllocator):
+    """LocalAllocator that records every growth call (owners and counts), to count ledger round trips."""
+
+    def __init__(self, n):
+        super().__init__(n)
+        self.extend_calls = []
+
+    def extend_many(self, requests):
+        self.extend_calls.append(list(requests))
+        return super().extend_many(requests)
+
+
+def counting_engine(model, **config):
+    made = []
+
+    def factory(n):
+        made.append(CountingAllocator(n))
+        return made[0]
+
+    from inference.engine import Engine, EngineConfig
+    config.setdefault("num_pages", 64)
+    return Engine(model, EngineConfig(**config), allocator_factory=factory), made[0]
+
+
+def held_pages(engine) -> int:
+    return sum(len(s.block_table) for s in engine.seqs.values())
+
+
+def test_a_sequence_holds_what_it_wrote_plus_the_page_it_writes(tiny_model):
+    engine = make_engine(tiny_model, num_pages=64, page_size=4)
+    seq = engine.add_request("a", list(range(10, 15)), greedy(40))  # may reach 45 tokens = 12 pages
+    engine.step()
+    assert seq.status is SeqStatus.RUNNING and len(seq.block_table) == 2  # the 5-token prompt only
+    while not seq.is_done:
+        engine.step()
+        if not seq.is_done:
+            assert len(seq.block_table) == cdiv(seq.num_cached, 4)  # grown only when a page boundary was crossed
+    assert engine.block_manager.num_free() == 64
+    engine.block_manager.allocator.check_integrity()
+
+
+def test_the_prefill_side_holds_only_the_prompt_pages(tiny_model):
+    engine = make_engine(tiny_model, num_pages=16, page_size=4)
+    seq = engine.add_request("p", list(range(10, 19)), SamplingParams(max_tokens=50), prefill_only=True)
+    engine.step()
+    assert seq.status is SeqStatus.PREFILLED and len(seq.block_table) == 3  # 9 tokens, not 9 + 50
+    assert engine.block_manager.num_free() == 13
+
+
+def test_one_ledger_call_grows_every_sequence_crossing_a_page_boundary(tiny_model):
+    engine, alloc = counting_engine(tiny_model, num_pages=64, page_size=4)
+    seqs = [engine.add_request(f"r{i}", list(range(10 + i, 18 + i)), greedy(9)) for i in range(4)]
+    run_until_done(engine, seqs)
+    # 8-token prompts: all four cross into a new page at tokens 8 and 12, together (16 is never written)
+    grows = [call for call in alloc.extend_calls if call]
+    assert grows == [[(f"r{i}", 1) for i in range(4)]] * 2
+    assert engine.scheduler.num_preemptions == 0
+
+
+def test_a_shortage_preempts_the_newest_and_its_recompute_gives_the_same_greedy_output(tiny_model):
+    prompts = [list(range(10 + 3 * i, 19 + 3 * i)) for i in range(3)]
+    alone = [make_engine(tiny_model, page_size=4).generate([p], greedy(14))[0].output_ids for p in prompts]
+    engine = make_engine(tiny_model, num_pages=14, page_size=4)  # 3 x 6 pages at the end: they cannot all fit
+    seqs = [engine.add_request(f"r{i}", p, greedy(14)) for i, p in enumerate(prompts)]
+    seen_waiting = []
+    for _ in range(500):
+        if all(s.is_done for s in seqs):
+            break
+        engine.step()
+        engine.block_manager.allocator.check_integrity()
+        assert held_pages(engine) <= 14
+        seen_waiting += [s.request_id for s in engine.scheduler.preempted]
+    assert seen_waiting and seen_waiting[0] == "r2"  # the most recently admitted goes first
+    assert [s.output_ids for s in seqs] == alone
+    assert engine.scheduler.num_preemptions == len(seen_waiting) == sum(s.num_preemptions for s in seqs)
+    for s in seqs:  # a resumed sequence read only pages granted to it, at their epochs, within what it wrote
+        r = s.read_record
+        assert set(r["owners"]) == {s.request_id} and r["page_epochs"] == r["epochs"]
+        assert sum(r["written"]) >= r["read_len"]
+    assert engine.block_manager.num_free() == 14
+
+
+def test_a_preempted_sequences_pages_go_to_another_tenant_scrubbed_and_the_old_owner_cannot_read_them(tiny_model):
+    engine = make_engine(tiny_model, num_pages=8, page_size=4)
+    bm, pool = engine.block_manager, engine.pool
+    victim = engine.add_request("tenant-a", list(range(10, 22)), greedy(8))
+    for _ in range(3):
+        engine.step()
+    old_pages, old_epochs = list(victim.block_table), list(victim.page_epochs)
+    assert len(old_pages) == 4 and all(bool(pool.data[p].abs().sum() > 0) for p in old_pages)  # its K/V
+    engine.scheduler.preempt(victim)
+    assert victim.status is SeqStatus.WAITING and victim.block_table == [] and victim.num_cached == 0
+    assert engine.scheduler.waiting[0] is victim
+    assert all(bool((pool.data[p] == 0).all()) for p in old_pages)  # scrubbed by the free path
+    assert all(bm.owner[p] is None and bm.written[p] == 0 for p in old_pages)
+    other = Sequence("tenant-b", list(range(30, 40)), greedy(4))
+    assert bm.allocate(other, 8)  # the whole pool, the victim's old pages included
+    assert set(old_pages) <= set(other.block_table)
+    assert all(bool((pool.data[p] == 0).all()) for p in other.block_table)  # nothing of tenant-a is left
+    victim.block_table, victim.page_epochs = old_pages, old_epochs  # the old owner's stale table
+    with pytest.raises(OwnershipViolation) as err:
+        bm.check_reads(victim, 4, 1)
+    assert err.value.violation.kind == "foreign_read" and err.value.violation.page_owner == "tenant-b"
+    bm.allocator.check_integrity()
+
+
+def test_a_stale_table_after_preemption_fails_closed_in_a_step_and_only_the_reader_fails(tiny_model):
+    engine = make_engine(tiny_model, num_pages=6, page_size=4)
+    victim = engine.add_request("a", list(range(10, 18)), greedy(8))  # pages 0, 1
+    engine.step()
+    stale = (list(victim.block_table), list(victim.page_epochs))
+    engine.scheduler.preempt(victim)
+    engine.scheduler.waiting.remove(victim)
+    other = engine.add_request("b", list(range(40, 60)), greedy(4))  # 5 pages: 2..5 and the victim's page 0
+    engine.step()
+    assert other.status is SeqStatus.RUNNING and stale[0][0] in other.block_table
+    victim.block_table, victim.page_epochs = stale
+    victim.num_cached, victim.status = 7, SeqStatus.RUNNING  # believes it still holds its prompt
+    engine.scheduler.active.insert(0, victim)
+    events = engine.step()
+    assert [ev.seq for ev in events if ev.token is None] == [victim] and victim.status is SeqStatus.FAILED
+    (violation,) = engine.take_violations()
+    assert violation.kind == "foreign_read" and violation.page_owner == "b"
+    assert other.status is SeqStatus.RUNNING  # only the reader fails
+    run_until_done(engine, [other])
+    assert engine.block_manager.num_free() == 6
+
+
+def test_admission_leaves_the_watermark_free_while_something_runs(tiny_model):
+    engine = make_engine(tiny_model, num_pages=10, page_size=4, watermark=0.4)  # 4 pages kept for growth
+    assert engine.scheduler.watermark_pages == 4
+    first = engine.add_request("a", list(range(10, 34)), greedy(4))  # 6 pages: alone, the watermark does not apply
+    second = engine.add_request("b", list(range(10, 14)), greedy(4))  # 1 page would leave 3 of the 4 free: waits
+    engine.step()
+    assert first.block_table and second.status is SeqStatus.WAITING
+    run_until_done(engine, [first, second])
+    assert second.finish_reason == "length"
+
+
+def test_admission_still_refuses_what_can_never_fit_before_taking_anything(tiny_model):
+    engine = make_engine(tiny_model, num_pages=4, page_size=4)
+    with pytest.raises(RequestTooLarge):
+        engine.add_request("big", list(range(10, 14)), greedy(13))  # 4-token prompt fits, 17 tokens never
+    assert engine.block_manager.num_free() == 4 and not engine.has_work
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.integers(1, 20), st.integers(1, 20), st.integers(0, 6)), min_size=1, max_size=6),
+       st.integers(8, 16))
+def test_the_scheduler_never_overcommits_and_every_request_ends(tiny_model, requests, num_pages):
+    engine = make_engine(tiny_model, num_pages=num_pages, page_size=4, chunk_size=16)
+    seqs, pending = [], list(requests)
+    for step in range(2000):
+        while pending and pending[0][2] <= step:
+            n_prompt, max_tokens, _ = pending.pop(0)
+            max_tokens = min(max_tokens, num_pages * 4 - n_prompt)
+            seqs.append(engine.add_request(f"r{len(seqs)}", list(range(10, 10 + n_prompt)), greedy(max_tokens)))
+        if not pending and all(s.is_done for s in seqs):
+            break
+        engine.step()
+        assert held_pages(engine) + engine.block_manager.num_free() == num_pages
+        for s in engine.scheduler.active:
+            if s.status is SeqStatus.RUNNING:  # what it wrote plus at most the page it writes next
+                assert cdiv(s.num_cached, 4) <= len(s.block_table) <= cdiv(s.num_cached + 1, 4)
+        engine.block_manager.allocator.check_integrity()
+    assert all(s.finish_reason == "length" and len(s.output_ids) == s.params.max_tokens for s in seqs)
+    assert engine.block_manager.num_free() == num_pages
