@@ -907,8 +907,8 @@ class PoolCounts:
 
 def pool_counts(redis_client: redis.Redis, prefix: str = "kvs") -> list[PoolCounts]:
     """Every registered pool's counts in two round trips and O(1) Redis work per pool, whatever its size:
-    one MULTI of HMGET meta, LLEN free, SCARD dirty, HLEN page_owner per pool, so each pool's four
-    numbers come from one instant. A pool retired between the listing and the read is left out."""
+    one MULTI of HMGET meta, LLEN free, SCARD dirty, HLEN page_owner, HLEN scope per pool, so each pool's
+    five numbers come from one instant. A pool retired between the listing and the read is left out."""
     pools = sorted(_str(p) for p in redis_client.smembers(ledger_key(prefix)))
     if not pools:
         return []
