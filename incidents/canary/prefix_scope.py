@@ -8,11 +8,20 @@ import time
 from django.conf import settings
 
 from incidents.canary import live
-from incidents.canary.prompts import TENANT_A, TENANT_B, canary_key, long_messages, new_sentinel
+from incidents.canary.prompts import TENANT_A, TENANT_B, canary_key, new_sentinel, prompt_tokens
 from incidents.canary.result import CheckResult, IncidentSpec
 from inference.allocator import LedgerError
 
-SENTINEL_PREFIX_TOKENS = 96  # six pages of 16: well past one full page whatever the page size up to 64
+FILLER = "The canary reads a long and uneventful report about quarterly figures. "
+FILLER_REPEATS = 8  # about 120 prompt tokens: several full pages whatever the page size up to 64
+
+
+def sentinel_prefix_messages(sentinel: str) -> list[dict]:
+    """A prompt whose very first page holds a fresh sentinel: no page of it matches anything either canary tenant
+    sent before (a common head, such as the chat template's default system prompt, would be a legitimate hit
+    in B's own scope)."""
+    return [{"role": "system", "content": f"Canary {sentinel}. " + FILLER * FILLER_REPEATS},
+            {"role": "user", "content": "Reply with one word."}]
 
 
 def _ask(key, messages: list[dict], deadline: float) -> dict:
@@ -42,7 +51,8 @@ def check_prefix_scope(timeout_s: float | None = None) -> CheckResult:
     deadline = time.monotonic() + (timeout_s or getattr(settings, "KVSERVE_CANARY_TIMEOUT_S", 300))
     if not live.live_workers("prefill") or not live.live_workers("decode"):
         return CheckResult.vacuous("prefix_scope", "no live prefill and decode workers to send traffic to")
-    messages, n = long_messages(SENTINEL_PREFIX_TOKENS, sentinel=new_sentinel())
+    messages = sentinel_prefix_messages(new_sentinel())
+    n = prompt_tokens(messages)
     a_key, b_key = canary_key(TENANT_A), canary_key(TENANT_B)
     a_first = _ask(a_key, messages, deadline)  # caches the prefix in A's scope
     a_again = [_ask(a_key, messages, deadline) for _ in range(2)]  # proves the cache works for A
