@@ -16,6 +16,7 @@ KNOWN_FAULTS = {
     "no_admission": "overlong prompts are not refused at admission",
     "no_handoff_check": "decode accepts any handoff verdict and counts",
     "placeholder_on_reject": "prefill swaps a rejected prompt for a 1-token placeholder (the incident)",
+    "no_prefix_scope": "prefill reads and fills one prefix-cache scope for every tenant (the salt ignores the tenant)",
 }
 
 

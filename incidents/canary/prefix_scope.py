@@ -11,6 +11,7 @@ from incidents.canary import live
 from incidents.canary.prompts import TENANT_A, TENANT_B, canary_key, new_sentinel, prompt_tokens
 from incidents.canary.result import CheckResult, IncidentSpec
 from inference.allocator import LedgerError
+from kvserve.chat.models import ChatRequest
 
 FILLER = "The canary reads a long and uneventful report about quarterly figures. "
 FILLER_REPEATS = 8  # about 120 prompt tokens: several full pages whatever the page size up to 64
@@ -69,7 +70,9 @@ def check_prefix_scope(timeout_s: float | None = None) -> CheckResult:
             "detected_by": "canary prefix_scope", "reason": "vacuous: no same-tenant hit"}))
     if _cached(b_same):
         problems.append(f"tenant B's identical prompt reported {_cached(b_same)} cached tokens from tenant A's scope")
-        incidents.append(IncidentSpec(kind="foreign_read", reader_request=b_same["request"][:100],
+        worker = ChatRequest.objects.filter(id=b_same["request"]).values_list("prefill_worker", flat=True).first() or ""
+        incidents.append(IncidentSpec(kind="foreign_read", worker=worker, pool=worker,
+                                      reader_request=b_same["request"][:100],
                                       previous_owner_request=a_first["request"][:100], details={
                                           "detected_by": "canary prefix_scope", "cached_tokens": _cached(b_same)}))
     audits = {}

@@ -40,10 +40,13 @@ def prefix_salt(key: bytes, scope: str, user: str | None = None) -> str:
     return hmac.new(key, message, hashlib.sha256).hexdigest()
 
 
-def request_salt(tenant, user: str | None) -> str:
-    """The salt of a request by `tenant` (a Tenant row, from its API key) with the request's `user` field."""
+def request_salt(tenant, user: str | None, faults=()) -> str:
+    """The salt of a request by `tenant` (a Tenant row, from its API key) with the request's `user` field.
+    Under the `no_prefix_scope` fault (tests, canary proofs only) every tenant gets one scope."""
     from django.conf import settings
 
+    if "no_prefix_scope" in faults:
+        return prefix_salt(settings.KVSERVE_PREFIX_SALT_KEY.encode(), "fault:no_prefix_scope")
     scope = prefix_scope(tenant.id, tenant.name, share_groups_parse(settings.KVSERVE_PREFIX_SHARE_GROUPS))
     return prefix_salt(settings.KVSERVE_PREFIX_SALT_KEY.encode(), scope, user)
 

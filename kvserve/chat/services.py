@@ -219,7 +219,7 @@ def chat_request_prefill(request_id: str, prompt_ids: list[int]) -> None:
     mine = ChatRequest.objects.filter(id=req.id, **claim)
     try:
         handoff = runtime.prefill(req.id, prompt_ids, sampling_params(req), still_wanted=mine.exists,
-                                  salt=request_salt(req.tenant, req.params.get("user")))
+                                  salt=request_salt(req.tenant, req.params.get("user"), runtime.engine.config.faults))
     except RequestFailed as exc:
         return chat_request_fail(req, code=exc.code, message=exc.message, claim=claim)
     except Exception as exc:

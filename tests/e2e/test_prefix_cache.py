@@ -43,3 +43,24 @@ def test_streamed_usage_reports_cached_tokens(clients, stack):
     usage = [c.usage for c in chunks if c.usage is not None]
     assert len(usage) == 1 and usage[0].prompt_tokens_details.cached_tokens >= 64
     assert json.loads(usage[0].model_dump_json())["prompt_tokens_details"]["cached_tokens"] % 16 == 0
+
+
+@pytest.mark.timeout(600)
+def test_the_prefix_scope_canary_catches_a_prefill_worker_sharing_one_scope(own_stack):
+    """With the tenant left out of the salt (fault `no_prefix_scope`, in the live prefill worker), canary tenant
+    B's identical prompt hits A's pages: the canary fails, names that worker and quarantines it."""
+    s = own_stack
+    s.manage("migrate", "--noinput")
+    s.start_worker("prefill", queues="prefill,maintenance", KVSERVE_FAULTS="no_prefix_scope")
+    s.start_worker("decode")
+    s.wait_workers("prefill", 1, timeout_s=240)
+    s.wait_workers("decode", 1, timeout_s=240)
+    (prefill,) = [w.worker_id for w in s.registry().live_workers("prefill")]
+    out = s.manage_status("canary", "--json", "--only", "prefix_scope")
+    body = json.loads(out.stdout.strip().splitlines()[-1])
+    assert out.returncode == 1 and body["passed"] is False, out.stdout[-3000:]
+    details = body["checks"][0]["details"]
+    assert max(details["a_cached_tokens"]) > 0 and details["b_cached_tokens"] > 0
+    incidents = s.sql("select kind, worker, severity, detected_by from incidents_incident")
+    assert ("foreign_read", prefill, "critical", "canary prefix_scope") in incidents
+    assert s.registry().is_quarantined(prefill)
