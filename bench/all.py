@@ -6,7 +6,8 @@
 Each `bench.<name>` in MODULES runs in its own process (`python -m bench.<name>`); its final stdout
 line is its JSON result. --quick / --repeats / --url / --api-key are passed on to the modules whose
 source defines that option. A module that is not there, or fails to import, is skipped with a
-message; `load` runs only when --url is given.
+message; `load` runs only when --url is given, `peer` only once llama.cpp's server is installed
+(`python -m bench.peer --install-only`; otherwise reported as skipped with that command).
 
 Results go to bench/results.jsonl (one line per module) and bench/RESULTS.md (a markdown table per
 module, regenerated from the jsonl; everything from the NOTES marker on is written by hand and
@@ -31,9 +32,11 @@ ROOT = HERE.parent
 RESULTS_JSONL = HERE / "results.jsonl"
 RESULTS_MD = HERE / "RESULTS.md"
 
-MODULES = ["engine", "profile", "guards", "ondemand", "prefix", "transport", "load", "chaos"]  # run in this order
+MODULES = ["engine", "profile", "guards", "ondemand", "prefix", "transport", "load", "chaos", "peer"]  # run in this order
 NEEDS_URL = {"load"}
 NEEDS_ROOT = {"chaos"}  # network namespaces
+# opt-in: runs only once its peer is installed (`python -m bench.peer --install-only`, ~20 min of compiling)
+NEEDS_PEER = {"peer"}
 
 
 def load(name: str):
@@ -172,6 +175,7 @@ SUMMARY = [
     ("load", "lost", "load test requests without an answer", "0"),
     ("load", "incidents", "incidents opened during the load test", "0"),
     ("load", "ratio_vs_engine", "load tok/s over the in-process engine's", ">= 0.85"),
+    ("peer", "ratio_tok_s", "tok/s, kvserve's stack / llama.cpp's server, 32 clients", ">= 1.0"),
     ("chaos", "passed", "chaos suite: every target met in every scenario (table below)", "True"),
 ]
 
@@ -239,6 +243,9 @@ def main(argv=None) -> int:
         module, why = load(name)
         if why:
             print(f"skip bench.{name}: {why}", flush=True)
+            continue
+        if name in NEEDS_PEER and module.server_binary() is None:
+            print(f"skip bench.{name}: {module.SKIPPED}", flush=True)
             continue
         extra = options_for(module, {"--quick": args.quick, "--repeats": args.repeats, "--url": args.url,
                                      "--api-key": args.api_key})

@@ -32,12 +32,14 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-async def one_request(client, url, key, model, question, max_tokens):
+async def one_request(client, url, key, model, question, max_tokens, extra: dict | None = None):
+    """One streamed chat completion: its TTFT, latency and completion tokens (the usage chunk's count, or
+    the number of content chunks when a server sends no usage), or an error. `extra`: more body fields."""
     body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
     started = time.perf_counter()
     first = None
-    tokens, error, finished = 0, None, False
+    tokens, chunks, error, finished = None, 0, None, False
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body,
                              headers={"Authorization": f"Bearer {key}"}) as resp:
         if resp.status_code != 200:
@@ -56,16 +58,21 @@ async def one_request(client, url, key, model, question, max_tokens):
                 continue
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
-            for choice in event.get("choices", []):
-                if choice.get("delta", {}).get("content") and first is None:
-                    first = time.perf_counter() - started
+            for choice in event.get("choices") or []:
+                if (choice.get("delta") or {}).get("content"):
+                    chunks += 1
+                    if first is None:
+                        first = time.perf_counter() - started
     latency = time.perf_counter() - started
     if error or not finished:
         return {"error": error or "stream ended without [DONE]", "lost": not finished and not error}
-    return {"ttft": first if first is not None else latency, "latency": latency, "tokens": tokens}
+    return {"ttft": first if first is not None else latency, "latency": latency,
+            "tokens": tokens if tokens is not None else chunks}
 
 
-async def run_load(url, key, clients, seconds, max_tokens):
+async def run_load(url, key, clients, seconds, max_tokens, extra: dict | None = None):
+    """`clients` concurrent clients sending QUESTIONS' chats back to back for `seconds`:
+    (per-request results, requests sent, wall seconds). bench.peer drives both of its servers with it."""
     results, sent = [], 0
     deadline = time.perf_counter() + seconds
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
@@ -79,7 +86,7 @@ async def run_load(url, key, clients, seconds, max_tokens):
             while time.perf_counter() < deadline:
                 sent += 1
                 try:
-                    results.append(await one_request(client, url, key, model, QUESTIONS[(i + n) % len(QUESTIONS)], max_tokens))
+                    results.append(await one_request(client, url, key, model, QUESTIONS[(i + n) % len(QUESTIONS)], max_tokens, extra))
                 except Exception as exc:  # a transport failure is an error, never silently dropped
                     results.append({"error": f"{type(exc).__name__}: {exc}", "lost": True})
                 n += 1
@@ -88,6 +95,18 @@ async def run_load(url, key, clients, seconds, max_tokens):
         await asyncio.gather(*(worker(i) for i in range(clients)))
         wall = time.perf_counter() - started
     return results, sent, wall
+
+
+def summarize(results: list[dict], sent: int, wall: float) -> dict:
+    """The figures of one load run: requests, errors, lost, aggregate tok/s, TTFT and latency p50/p99."""
+    ok = [r for r in results if "error" not in r]
+    errors = [r for r in results if "error" in r]
+    return {"requests": len(results), "ok": len(ok), "errors": len(errors),
+            "lost": sum(1 for e in errors if e.get("lost")) + (sent - len(results)),
+            "tok_s": sum(r["tokens"] for r in ok) / wall if wall > 0 else float("nan"),
+            "ttft_p50_s": median(r["ttft"] for r in ok), "ttft_p99_s": pct([r["ttft"] for r in ok], 0.99),
+            "latency_p50_s": median(r["latency"] for r in ok),
+            "latency_p99_s": pct([r["latency"] for r in ok], 0.99)}
 
 
 def manage(*args) -> subprocess.CompletedProcess:
@@ -142,13 +161,10 @@ def main(argv=None) -> None:
     incidents_before = open_incidents()
     results, sent, wall = asyncio.run(run_load(args.url.rstrip("/"), args.api_key, args.clients, args.seconds,
                                                args.max_tokens))
-    ok = [r for r in results if "error" not in r]
+    figures = summarize(results, sent, wall)
     errors = [r for r in results if "error" in r]
-    tok_s = sum(r["tokens"] for r in ok) / wall
-    print_table([{"requests": len(results), "ok": len(ok), "errors": len(errors),
-                  "ttft_p50_s": median(r["ttft"] for r in ok), "ttft_p99_s": pct([r["ttft"] for r in ok], 0.99),
-                  "latency_p50_s": median(r["latency"] for r in ok),
-                  "latency_p99_s": pct([r["latency"] for r in ok], 0.99), "tok_s": tok_s}],
+    tok_s = figures["tok_s"]
+    print_table([{k: v for k, v in figures.items() if k != "lost"}],
                 title=f"load: {args.clients} clients for {args.seconds:.0f}s")
     for e in errors[:5]:
         print("error:", e["error"])
@@ -165,13 +181,12 @@ def main(argv=None) -> None:
     engine = engine_tok_s(args.clients, args.max_tokens)
     print(f"in-process engine at {args.clients} concurrent: {engine:.1f} tok/s")
     incidents_after = open_incidents()
-    emit_json({"bench": "load", "clients": args.clients, "seconds": args.seconds, "requests": len(results),
-               "errors": len(errors), "lost": sum(1 for e in errors if e.get("lost")) + (sent - len(results)),
+    emit_json({"bench": "load", "clients": args.clients, "seconds": args.seconds, "requests": figures["requests"],
+               "errors": figures["errors"], "lost": figures["lost"],
                "incidents": incidents_after - incidents_before if incidents_before >= 0 else None,
                "integrity_ok": integrity, "canary_passed": canary.get("passed"), "tok_s": tok_s,
                "engine_tok_s": engine, "ratio_vs_engine": tok_s / engine if engine else None,
-               "ttft_p50_s": median(r["ttft"] for r in ok), "ttft_p99_s": pct([r["ttft"] for r in ok], 0.99),
-               "latency_p50_s": median(r["latency"] for r in ok), "latency_p99_s": pct([r["latency"] for r in ok], 0.99)})
+               **{k: figures[k] for k in ("ttft_p50_s", "ttft_p99_s", "latency_p50_s", "latency_p99_s")}})
 
 
 if __name__ == "__main__":

@@ -72,6 +72,8 @@ FAMILIES = {f.name: f for f in (
     Family("guard_checks", "Ownership guard checks before attention (one per sequence per forward pass)",
            M + ("role",)),
     Family("guard_violations", "Ownership guard violations (the request failed closed)", M + ("role", "kind")),
+    Family("num_preemptions", "Sequences preempted for pages (freed and scrubbed, recomputed later)",
+           M + ("role",)),
     Family("incidents", "Incidents recorded, by kind and severity", ("kind", "severity")),
     Family("incidents_resolved", "Incidents resolved, by kind and severity", ("kind", "severity")),
     Family("canary_runs", "Canary suite runs by result", ("result",)),
@@ -212,7 +214,7 @@ class WorkerMetrics:
         self._batch = Batch()
         self._arrival: OrderedDict[str, float] = OrderedDict()  # request id -> wall time it reached the API
         self._last: OrderedDict[str, float] = OrderedDict()  # request id -> monotonic time of its latest token
-        self._engine_counts = {"scrubbed_pages": 0, "guard_checks": 0}
+        self._engine_counts = {"scrubbed_pages": 0, "guard_checks": 0, "num_preemptions": 0}
 
     @staticmethod
     def _bounded_set(d: OrderedDict, key, value) -> None:
@@ -260,7 +262,8 @@ class WorkerMetrics:
 
     def flush(self, engine, waiting: int = 0) -> None:
         """Sends what was noted since the last flush, the engine's counters and this worker's gauges."""
-        counts = {"scrubbed_pages": engine.pool.num_scrubbed, "guard_checks": engine.block_manager.num_guard_checks}
+        counts = {"scrubbed_pages": engine.pool.num_scrubbed, "guard_checks": engine.block_manager.num_guard_checks,
+                  "num_preemptions": engine.scheduler.num_preemptions}
         seqs = list(engine.seqs.values())
         gauges = {"role": self.role, "model_name": self.model_name,
                   "running": len(engine.scheduler.active), "waiting": len(engine.scheduler.waiting) + waiting,

@@ -479,7 +479,7 @@ class WorkerRuntime:
         self._publish(out)
         refused = self._host.take_refused()
         self._finish(finished, refused, exported)
-        for rid in refused - {seq.request_id for seq in finished}:  # a preemption's free was refused: lease lost
+        for rid in refused - {seq.request_id for seq in finished}:  # a grow or a preemption's free refused: lease lost
             if rid in self._futures:
                 self._lease_lost(rid, ())
         e.pop_finished()

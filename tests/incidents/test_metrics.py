@@ -105,7 +105,7 @@ def test_metrics_read_live_state(client, registry, make_worker, tiny_model, djan
     worker = (("model_name", MODEL), ("role", "decode"), ("worker", "decode-1"))
     assert m[("kvserve_num_requests_running", worker)] == 2 and m[("kvserve_num_requests_waiting", worker)] == 2
     pages = {dict(k[1])["tenant"]: v for k, v in m.items() if k[0] == "kvserve_kv_pages_held"}
-    assert pages == {str(tenant.id): 3, "none": 1}  # (39, 9 tokens written: pages on demand) by tenant id, not name
+    assert pages == {str(tenant.id): 3, "none": 1}  # (39 and 9 prompt tokens in pages of 16: held on demand) by tenant id
     assert b"acme" not in client.get("/metrics").content
     assert m[("kvserve_admission_rejections_total", (("reason", "context_length_exceeded"),))] == 2
     assert m[("kvserve_prompt_tokens_total", (("model_name", MODEL),))] == 40

@@ -118,3 +118,17 @@ def test_step_events_count_decode_tokens_only(redis_client, ledger_prefix):
     w._batch.send(redis_client, ledger_prefix)
     assert rendered(redis_client, ledger_prefix)[("kvserve_generation_tokens_total", (("model_name", "m"),))] == 1
     assert not w._last  # the failure event (no token) ended its tracking
+
+
+def test_preemptions_are_counted_once_per_preempted_sequence(redis_client, ledger_prefix, tiny_model):
+    engine = Engine(tiny_model, EngineConfig(num_pages=14, page_size=4))
+    w = WorkerMetrics(redis_client, ledger_prefix, role="decode", model_name="m", worker_id="d1", gauges_ttl_s=5)
+    for i in range(3):  # 3 x 6 pages at the end do not fit 14: the newest is preempted
+        engine.add_request(f"r{i}", list(range(10 + 3 * i, 19 + 3 * i)), SamplingParams(max_tokens=14, ignore_eos=True))
+    while engine.has_work:
+        w.on_step(engine.step())
+        w.flush(engine)
+    assert engine.scheduler.num_preemptions > 0
+    m = rendered(redis_client, ledger_prefix)
+    labels = (("model_name", "m"), ("role", "decode"))
+    assert m[("kvserve_num_preemptions_total", labels)] == engine.scheduler.num_preemptions

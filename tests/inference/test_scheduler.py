@@ -180,3 +180,19 @@ def test_the_scheduler_never_overcommits_and_every_request_ends(tiny_model, requ
         engine.block_manager.allocator.check_integrity()
     assert all(s.finish_reason == "length" and len(s.output_ids) == s.params.max_tokens for s in seqs)
     assert engine.block_manager.num_free() == num_pages
+
+
+def test_a_verified_handoff_waits_while_a_preempted_sequence_waits_to_resume(tiny_model):
+    prefill = make_engine(tiny_model, num_pages=8, page_size=4)
+    p = prefill.add_request("h", list(range(50, 58)), greedy(4), prefill_only=True)
+    prefill.step()
+    blob, _ = prefill.export_kv(p)
+    engine = make_engine(tiny_model, num_pages=14, page_size=4)
+    seqs = [engine.add_request(f"r{i}", list(range(10 + 3 * i, 19 + 3 * i)), greedy(14)) for i in range(3)]
+    while not engine.scheduler.preempted:
+        engine.step()
+    assert engine.block_manager.num_free() >= 2  # the handoff's 2 pages would fit, but r2 resumes first
+    assert engine.add_prefilled("h", p.prompt_ids, p.output_ids[0], blob, greedy(4)) is None
+    run_until_done(engine, seqs)
+    d = engine.add_prefilled("h", p.prompt_ids, p.output_ids[0], blob, greedy(4))
+    assert d is not None and len(d.block_table) == 2  # the prompt's pages only; it grows as it decodes

@@ -451,3 +451,24 @@ def test_a_decode_pool_short_of_pages_preempts_and_recomputes_from_the_sequences
     finally:
         prefill.stop()
         decode.stop()
+
+
+def test_a_grow_refused_for_a_reaped_lease_fails_the_request_lease_lost_without_waiting_for_a_beat(
+        redis_client, ledger_prefix, tiny_model):
+    seen = []
+    opts = RuntimeOptions(prefix=ledger_prefix, lease_ttl_s=600, registry_ttl_s=600)  # next beat: 200 s away
+    made = [WorkerRuntime(role, redis_client, KEY, model=tiny_model, options=opts,
+                          config=EngineConfig(num_pages=64, page_size=16, window=1024),
+                          on_lease_lost=lambda runtime, rid, pages: seen.append(rid)) for role in ("prefill", "decode")]
+    prefill, decode = made
+    try:
+        thread, box = start_decode(prefill, decode, "r9", max_tokens=300)
+        with Held(decode):
+            RedisLedger(redis_client, decode.worker_id, prefix=decode.options.prefix).reap_expired(now_ms=10**15)
+        thread.join(30)  # its next page grant is refused: failed then, not at a beat
+        assert box["error"].code == "lease_lost" and seen == ["r9"]
+        assert final_event(decode, "r9")["code"] == "lease_lost"
+        assert not decode.engine.has_request("r9")
+    finally:
+        for rt in made:
+            rt.stop()
