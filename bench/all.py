@@ -32,7 +32,7 @@ ROOT = HERE.parent
 RESULTS_JSONL = HERE / "results.jsonl"
 RESULTS_MD = HERE / "RESULTS.md"
 
-MODULES = ["engine", "profile", "guards", "ondemand", "prefix", "transport", "load", "chaos", "peer"]  # run in this order
+MODULES = ["engine", "profile", "guards", "ondemand", "prefix", "transport", "load", "fairness", "chaos", "peer"]  # run in this order
 NEEDS_URL = {"load"}
 NEEDS_ROOT = {"chaos"}  # network namespaces
 # opt-in: runs only once its peer is installed (`python -m bench.peer --install-only`, ~20 min of compiling)
@@ -176,6 +176,9 @@ SUMMARY = [
     ("load", "incidents", "incidents opened during the load test", "0"),
     ("load", "ratio_vs_engine", "load tok/s over the in-process engine's", ">= 0.85"),
     ("peer", "ratio_tok_s", "tok/s, kvserve's stack / llama.cpp's server, 32 clients", ">= 1.0"),
+    ("fairness", "ttft_ratio", "tenant B's TTFT while A floods / alone (fair share on)", "<= 2"),
+    ("fairness", "completion_ratio", "tenant B's completion time while A floods / alone", "<= 2"),
+    ("fairness", "unlimited_ttft_ratio", "the same TTFT ratio with A's limits off (contrast)", ""),
     ("chaos", "passed", "chaos suite: every target met in every scenario (table below)", "True"),
 ]
 

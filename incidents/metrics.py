@@ -22,6 +22,7 @@ from incidents.canary.live import broker_queue_lengths
 from incidents.models import CanaryRun
 from inference import metrics as aggregated
 from inference.ledger import pool_counts
+from inference.tenant_budget import LIMITS as TENANT_LIMITS
 from kvserve.chat.models import ChatRequest
 from kvserve.workers import redis_get, registry_get
 
@@ -87,7 +88,7 @@ def queue_families(scrape: dict):
 def aggregated_families(scrape: dict):
     raw = aggregated.families_read(redis_get(), settings.KVSERVE_LEDGER_PREFIX)
     m = scrape["model_name"]
-    defaults = {"admission_rejections": [{"reason": "context_length_exceeded"}],
+    defaults = {"admission_rejections": [{"reason": r} for r in ("context_length_exceeded", *TENANT_LIMITS)],
                 **{name: [{"model_name": m}] for name, f in aggregated.FAMILIES.items() if f.labels == ("model_name",)}}
     yield from aggregated.families_render(raw, defaults)
     recorded, resolved = (sum(float(v) for v in raw[name].values()) for name in ("incidents", "incidents_resolved"))

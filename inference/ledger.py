@@ -926,6 +926,31 @@ def pool_counts(redis_client: redis.Redis, prefix: str = "kvs") -> list[PoolCoun
     return out
 
 
+
+def owners_held_tokens(redis_client: redis.Redis, owners: Sequence[str], prefix: str = "kvs") -> dict[str, int]:
+    """owner -> tokens of KV its pages hold (pages x page size, summed over every registered pool), for the
+    per-tenant budget (inference.tenant_budget). Two round trips: one SCARD per (pool, owner) and one HGET
+    of each pool's page size, so O(pools x owners) whatever the pools' sizes; owners holding nothing map to 0."""
+    owners = list(owners)
+    pools = sorted(_str(p) for p in redis_client.smembers(ledger_key(prefix))) if owners else []
+    held = dict.fromkeys(owners, 0)
+    if not pools:
+        return held
+    with redis_client.pipeline(transaction=True) as pipe:
+        for pool_id in pools:
+            pipe.hget(ledger_key(prefix, pool_id, "meta"), "page_size")
+            for owner in owners:
+                pipe.scard(ledger_key(prefix, pool_id, "owner:") + owner)
+        replies = pipe.execute()
+    stride = 1 + len(owners)
+    for i in range(len(pools)):
+        page_size, counts = replies[i * stride], replies[i * stride + 1: (i + 1) * stride]
+        if page_size is None:
+            continue  # retired between the listing and the read
+        for owner, n in zip(owners, counts):
+            held[owner] += int(n) * int(page_size)
+    return held
+
 def _repeated(items) -> list:
     return sorted(x for x, count in Counter(items).items() if count > 1)
 

@@ -8,11 +8,12 @@ cannot give them their pages, the most recently admitted sequence is preempted: 
 scrubbed like a finished sequence's, and it goes back to the front of the queue to be recomputed (prefill
 of its prompt and the tokens it had generated). Admission itself is unchanged: a request whose prompt +
 max_tokens can never fit the pool is refused before any page is taken, so a sequence alone always fits.
+New requests are picked round-robin across tenants (inference.fair_queue), FIFO within a tenant.
 """
-from collections import deque
 from dataclasses import dataclass
 
 from inference.block_manager import BlockManager
+from inference.fair_queue import TenantQueues
 from inference.sequence import Sequence, SeqStatus
 
 
@@ -34,7 +35,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.watermark_pages = watermark_pages  # free pages admission leaves for running sequences to grow into
         self.reserve_whole = reserve_whole  # bench.ondemand's baseline only: prompt + max_tokens at admission
-        self.waiting: deque[Sequence] = deque()  # preempted sequences first, then new ones in arrival order
+        # round-robin across tenants, FIFO within one; a preempted sequence goes first (inference.fair_queue)
+        self.waiting: TenantQueues[Sequence] = TenantQueues()
         # gives a waiting sequence its pages (False: not now); the prefix cache replaces it to reuse pages
         self.admit = lambda seq: block_manager.allocate(seq, self.pages_to_admit(seq, seq.num_tokens),
                                                         self.admission_keep_free())
@@ -53,7 +55,7 @@ class Scheduler:
                 f"request {seq.request_id} needs {num_pages} pages; the pool has "
                 f"{self.block_manager.pool.num_pages} (raise KVSERVE_NUM_PAGES or lower max_tokens)"
             )
-        self.waiting.append(seq)
+        self.waiting.add(seq)
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence whose pages are already allocated and filled (imported from a handoff)."""
@@ -86,10 +88,10 @@ class Scheduler:
                 chunks.append(ScheduledChunk(seq, n))
                 budget -= n
         while self.waiting and budget > 0 and len(self.active) < self.max_num_seqs and not self.preempted:
-            seq = self.waiting[0]
+            seq = self.waiting.peek()
             if not self.admit(seq):
-                break  # does not fit now: it waits, and so does everything behind it (FIFO)
-            self.waiting.popleft()
+                break  # does not fit now: it keeps its turn, nobody overtakes it (no starvation)
+            self.waiting.pop_next()
             seq.status = SeqStatus.PREFILLING
             self.active.append(seq)
             n = min(budget, seq.num_tokens - seq.num_cached)  # a cached prefix is not computed again
@@ -119,7 +121,7 @@ class Scheduler:
         self.block_manager.deallocate(seq)
         seq.status, seq.num_cached = SeqStatus.WAITING, 0
         seq.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.waiting.push_front(seq)
         self.preempted.append(seq)
         self.num_preemptions += 1
 

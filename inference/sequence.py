@@ -16,6 +16,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none computed; n: each token's log-probability and the n most likely
+    tenant: str = ""  # who asked: the engine's waiting queue takes turns between tenants (inference.fair_queue)
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -65,6 +66,10 @@ class Sequence:
         self.transfer_ms: float | None = None  # time to pull the handoff's KV (decode side)
         self.read_record: dict | None = None  # set when the sequence finishes (BlockManager.read_record)
         self.num_preemptions = 0  # times its pages were taken back and it was recomputed
+
+    @property
+    def tenant(self) -> str:
+        return self.params.tenant
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -33,6 +33,13 @@ def request_too_large(limit: int) -> ApiError:
                     code="request_too_large")
 
 
+def too_many_requests(message: str, *, code: str, retry_after_s: int) -> ApiError:
+    """429 rate_limit_error with a Retry-After header (DRF sets it from `wait`)."""
+    exc = ApiError(message, status_code=429, type="rate_limit_error", code=code)
+    exc.wait = max(1, int(retry_after_s))
+    return exc
+
+
 _TYPES = {401: "invalid_request_error", 403: "permission_error", 404: "invalid_request_error",
           429: "rate_limit_error"}
 

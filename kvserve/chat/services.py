@@ -29,7 +29,9 @@ from kvserve.chat.metrics import (admission_rejection_count_incr, chat_metrics_d
 from kvserve.chat.models import ChatRequest
 from kvserve.chat.salt import request_salt
 from kvserve.deliveries import deliveries_restore
+from kvserve.chat.tenant_limits import tenant_admission_enforce
 from kvserve.errors import ApiError
+from kvserve.tenants.models import Tenant
 from kvserve.workers import cancels_get, outputs_get, redis_get, registry_get
 
 log = logging.getLogger(__name__)
@@ -86,7 +88,7 @@ def sampling_params(req: ChatRequest) -> SamplingParams:
     p = req.params
     return SamplingParams(max_tokens=req.max_tokens, temperature=p.get("temperature", 0.0), top_p=p.get("top_p", 1.0),
                           top_k=p.get("top_k", 0), seed=p.get("seed"), stop=tuple(p.get("stop", ())),
-                          logprobs=p.get("logprobs"))
+                          logprobs=p.get("logprobs"), tenant=str(req.tenant_id))
 
 
 # ---- web side --------------------------------------------------------------------------------
@@ -129,12 +131,15 @@ def chat_request_create(*, api_key, messages: list[dict] | None = None, prompt: 
     params = dict(params)
     if params.get("seed") is None:
         params["seed"] = uuid.uuid4().int & (2**63 - 1)  # fixed here so any worker samples the same stream
-    req = ChatRequest.objects.create(
-        id=f"{id_prefix}-{uuid.uuid4().hex}", tenant=tenant, api_key=api_key, model=model_name, stream=stream,
-        params=params, max_tokens=max_tokens, prompt_tokens=len(prompt_ids),
-        prompt_hash=prompt_hash(text),
-        prompt_text=json.dumps(messages if messages is not None else prompt) if tenant.store_text else None,
-    )
+    with transaction.atomic():  # the tenant's row lock orders its admissions: the check and the row are one step
+        tenant = Tenant.objects.select_for_update().get(pk=tenant.pk)
+        tenant_admission_enforce(tenant, len(prompt_ids) + max_tokens)  # 429 over a fair-share limit
+        req = ChatRequest.objects.create(
+            id=f"{id_prefix}-{uuid.uuid4().hex}", tenant=tenant, api_key=api_key, model=model_name, stream=stream,
+            params=params, max_tokens=max_tokens, prompt_tokens=len(prompt_ids),
+            prompt_hash=prompt_hash(text),
+            prompt_text=json.dumps(messages if messages is not None else prompt) if tenant.store_text else None,
+        )
     from kvserve.chat.tasks import prefill
 
     def enqueue():

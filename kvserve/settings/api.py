@@ -1,6 +1,6 @@
 """The public chat API's limits: per-key throttle rate, request body cap, output wait, and the cache
 (Redis, under the deployment's key prefix) that holds throttle counters for every web process."""
-from kvserve.settings.env import env_int, env_str
+from kvserve.settings.env import env_float, env_int, env_str
 from kvserve.settings.redis import KVSERVE_LEDGER_PREFIX, REDIS_URL
 
 # DRF rate syntax "<n>/<s|min|hour|day>", counted per API key across all web processes; "off" disables.
@@ -22,6 +22,14 @@ KVSERVE_SSE_KEEPALIVE_S = env_int("KVSERVE_SSE_KEEPALIVE_S", 15)
 # event: the replay window for tenants without store_text, the hour for tenants with it.
 KVSERVE_STREAM_REPLAY_S = env_int("KVSERVE_STREAM_REPLAY_S", 60)
 KVSERVE_STREAM_RETENTION_S = env_int("KVSERVE_STREAM_RETENTION_S", 3600)
+
+# Fair share (kvserve/chat/tenant_limits.py): a tenant over either limit gets 429 with Retry-After, at once.
+# Per tenant, Tenant.max_in_flight / Tenant.kv_share override these; 0 switches a limit off.
+KVSERVE_TENANT_MAX_IN_FLIGHT = env_int("KVSERVE_TENANT_MAX_IN_FLIGHT", 16)
+KVSERVE_TENANT_KV_SHARE = env_float("KVSERVE_TENANT_KV_SHARE", 0.5)
+if not 0 <= KVSERVE_TENANT_KV_SHARE <= 1 or KVSERVE_TENANT_MAX_IN_FLIGHT < 0:
+    raise ValueError("KVSERVE_TENANT_KV_SHARE must be 0..1 and KVSERVE_TENANT_MAX_IN_FLIGHT >= 0")
+KVSERVE_TENANT_RETRY_AFTER_S = env_int("KVSERVE_TENANT_RETRY_AFTER_S", 1)
 
 CACHES = {
     "default": {

@@ -1,4 +1,5 @@
 """Tenant and ApiKey. Keys are stored as a SHA-256 hash only; `prefix` is kept for display."""
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 
 
@@ -7,6 +8,13 @@ class Tenant(models.Model):
     store_text = models.BooleanField(
         default=False, help_text="Keep prompt and completion text on ChatRequest rows."
     )
+    max_in_flight = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Unfinished requests this tenant may have; empty: "
+        "KVSERVE_TENANT_MAX_IN_FLIGHT; 0: no limit.")
+    kv_share = models.FloatField(
+        null=True, blank=True, validators=[MinValueValidator(0.0), MaxValueValidator(1.0)],
+        help_text="Share of the smallest live pool's tokens this tenant's KV may hold or be owed; empty: "
+        "KVSERVE_TENANT_KV_SHARE; 0: no limit.")
     created_at = models.DateTimeField(auto_now_add=True)
 
     def __str__(self) -> str:

@@ -52,6 +52,10 @@ class Stack:
             "KVSERVE_REGISTRY_TTL_S": "3",
             "KVSERVE_WORKER_CONCURRENCY": "32",
             "KVSERVE_THROTTLE_RATE": "100000/min",
+            # most e2e tests and benchmarks send one tenant's bursts: fair share is off by default here and set
+            # per tenant (Tenant.max_in_flight / kv_share) where it is tested (tests/e2e/test_fairness.py)
+            "KVSERVE_TENANT_MAX_IN_FLIGHT": "0",
+            "KVSERVE_TENANT_KV_SHARE": "0",
             "PYTHONUNBUFFERED": "1",
             **env,
         }

@@ -105,7 +105,7 @@ def test_a_preempted_sequences_pages_go_to_another_tenant_scrubbed_and_the_old_o
     assert len(old_pages) == 4 and all(bool(pool.data[p].abs().sum() > 0) for p in old_pages)  # its K/V
     engine.scheduler.preempt(victim)
     assert victim.status is SeqStatus.WAITING and victim.block_table == [] and victim.num_cached == 0
-    assert engine.scheduler.waiting[0] is victim
+    assert engine.scheduler.waiting.peek() is victim
     assert all(bool((pool.data[p] == 0).all()) for p in old_pages)  # scrubbed by the free path
     assert all(bm.owner[p] is None and bm.written[p] == 0 for p in old_pages)
     other = Sequence("tenant-b", list(range(30, 40)), greedy(4))
@@ -196,3 +196,50 @@ def test_a_verified_handoff_waits_while_a_preempted_sequence_waits_to_resume(tin
     run_until_done(engine, seqs)
     d = engine.add_prefilled("h", p.prompt_ids, p.output_ids[0], blob, greedy(4))
     assert d is not None and len(d.block_table) == 2  # the prompt's pages only; it grows as it decodes
+
+
+# ---- the pick order from `waiting`: round-robin across tenants (inference.fair_queue) -------------------
+
+def bare_scheduler(num_pages=64, max_num_seqs=64, chunk_size=10_000):
+    from inference.block_manager import BlockManager
+    from inference.faults import Faults
+    from inference.kv_cache import PagePool
+    from inference.scheduler import Scheduler
+
+    pool = PagePool(num_pages, 4, 1, 1, 2)
+    bm = BlockManager(LocalAllocator(num_pages, "p0"), pool, "on_free", Faults.parse(""))
+    return Scheduler(bm, chunk_size=chunk_size, max_num_seqs=max_num_seqs)
+
+
+def tenant_seq(rid, tenant, n_prompt=4, max_tokens=4):
+    return Sequence(rid, list(range(1, n_prompt + 1)), SamplingParams(max_tokens=max_tokens, tenant=tenant))
+
+
+def admitted(s) -> list[str]:
+    """Request ids the next schedule() takes from `waiting`, in pick order."""
+    before = set(map(id, s.active))
+    s.schedule()
+    return [q.request_id for q in s.active if id(q) not in before and q.status is SeqStatus.PREFILLING]
+
+
+def test_waiting_requests_are_admitted_round_robin_across_tenants():
+    s = bare_scheduler(max_num_seqs=4)
+    for i in range(6):
+        s.add(tenant_seq(f"a{i}", "A"))
+    s.add(tenant_seq("b0", "B"))
+    s.add(tenant_seq("c0", "C"))
+    assert admitted(s) == ["a0", "b0", "c0", "a1"]  # FIFO would admit a0..a3
+
+
+def test_a_head_that_does_not_fit_keeps_its_turn_and_is_served_when_pages_free():
+    s = bare_scheduler(num_pages=8)  # pages of 4 tokens
+    hog = tenant_seq("hog", "A", n_prompt=24, max_tokens=4)  # admitted with its 6 prompt pages
+    s.add(hog)
+    assert admitted(s) == ["hog"]
+    big = tenant_seq("big", "B", n_prompt=20, max_tokens=4)  # 5 prompt pages: does not fit the 2 free
+    s.add(big)
+    for i in range(3):
+        s.add(tenant_seq(f"a{i}", "A", n_prompt=2, max_tokens=2))  # 1 page each: would fit, but it is B's turn
+    assert admitted(s) == []
+    s.finish(hog)
+    assert admitted(s) == ["big", "a0", "a1", "a2"]
