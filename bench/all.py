@@ -32,7 +32,7 @@ ROOT = HERE.parent
 RESULTS_JSONL = HERE / "results.jsonl"
 RESULTS_MD = HERE / "RESULTS.md"
 
-MODULES = ["engine", "profile", "guards", "ondemand", "transport", "load", "fairness", "chaos", "peer"]  # run in this order
+MODULES = ["engine", "profile", "guards", "ondemand", "prefix", "transport", "load", "fairness", "chaos", "peer"]  # run in this order
 NEEDS_URL = {"load"}
 NEEDS_ROOT = {"chaos"}  # network namespaces
 # opt-in: runs only once its peer is installed (`python -m bench.peer --install-only`, ~20 min of compiling)
@@ -166,6 +166,10 @@ SUMMARY = [
     ("ondemand", "ratio_concurrent_median", "concurrent sequences, pages on demand / reserve-whole (EOS workload)",
      ">= 2.0"),
     ("ondemand", "ratio_tok_s", "throughput, pages on demand / reserve-whole (EOS workload)", ""),
+    ("prefix", "speedup_turns_2_on_min", "TTFT of conversation turns 2-10, no prefix cache / cache (slowest turn)",
+     ">= 3"),
+    ("prefix", "auc_cross_tenant", "side channel: ROC AUC of another tenant's TTFT probes (sent vs not)", "<= 0.6"),
+    ("prefix", "auc_same_tenant", "side channel: ROC AUC of the same probes within the tenant (power)", ">= 0.9"),
     ("transport", "ratio_transfer_vs_prefill", "KV transfer time / prefill time, 512 tokens", "<= 0.25"),
     ("load", "errors", "load test errors (32 clients)", "0"),
     ("load", "lost", "load test requests without an answer", "0"),

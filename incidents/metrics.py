@@ -45,12 +45,16 @@ def pool_families(scrape: dict):
                               labels=["pool", "role", "state"])
     usage = GaugeMetricFamily("kvserve_kv_cache_usage_perc", "Fraction of the pool's KV pages in use (1 = full)",
                               labels=["model_name", "pool", "role"])
+    cached = GaugeMetricFamily("kvserve_pool_prefix_cached_pages", "Of a pool's used pages, those held by the "
+                               "prefix cache (evicted on demand)", labels=["pool", "role"])
     for c in pool_counts(redis_get(), settings.KVSERVE_LEDGER_PREFIX):
         for state in PAGE_STATES:
             pages.add_metric([c.pool_id, c.role, state], getattr(c, state))
         usage.add_metric([scrape["model_name"], c.pool_id, c.role], c.used / c.num_pages if c.num_pages else 0.0)
+        cached.add_metric([c.pool_id, c.role], c.cached)
     yield pages
     yield usage
+    yield cached
 
 
 def worker_families(scrape: dict):

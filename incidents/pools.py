@@ -8,6 +8,7 @@ from incidents.utilization import utilization_history_get, utilization_sample_re
 from inference.allocator import LedgerError
 from inference.ledger import RedisLedger
 from kvserve.chat.models import ChatRequest
+from kvserve.chat.salt import scope_owners
 from kvserve.workers import redis_get, registry_get
 
 # page-map cell codes; a positive code is the owning request's tenant id
@@ -20,23 +21,34 @@ def _tenants_of(owners: set[str]) -> dict[str, tuple[int, str]]:
 
 
 def page_map_get(snapshot: dict, *, show_names: bool) -> dict:
-    """One cell per page (FREE, DIRTY, LOST, OTHER or the owner's tenant id) and a legend of the owners.
+    """One cell per page (FREE, DIRTY, LOST, OTHER or the owner's tenant id) and a legend of the owners; a
+    prefix-cache page counts for the tenant whose scope it is in (legend `cached`).
 
     Tenant names (and request ids) only when show_names (superusers); others see "tenant #n".
     """
-    owners = {state["owner"] for state in snapshot.values() if isinstance(state, dict)}
+    owners = {state["owner"] for state in snapshot.values() if isinstance(state, dict) and "scope" not in state}
     tenants = _tenants_of(owners)
+    scopes = scope_owners() if any(isinstance(s, dict) and "scope" in s for s in snapshot.values()) else {}
     cells, legend = [], {}
     for page in sorted(snapshot):
         state = snapshot[page]
         if not isinstance(state, dict):
             cells.append({"free": FREE, "dirty": DIRTY}.get(state, LOST))
             continue
-        tenant_id, name = tenants.get(state["owner"], (OTHER, "not a chat request"))
+        cached = "scope" in state  # a prefix-cache page: its owner is its scope's cache entry
+        if cached:
+            tenant_id, name = scopes.get(state["scope"], (None, "a scope narrowed by user"))
+            tenant_id, name = (OTHER, f"prefix cache ({name})") if tenant_id is None else (tenant_id, name)
+        else:
+            tenant_id, name = tenants.get(state["owner"], (OTHER, "not a chat request"))
         label = name if tenant_id == OTHER or show_names else f"tenant #{tenant_id}"
-        entry = legend.setdefault(tenant_id, {"code": tenant_id, "label": label, "pages": 0, "requests": set()})
+        entry = legend.setdefault(tenant_id, {"code": tenant_id, "label": label, "pages": 0, "cached": 0,
+                                              "requests": set()})
         entry["pages"] += 1
-        entry["requests"].add(state["owner"])
+        if cached:
+            entry["cached"] += 1
+        else:
+            entry["requests"].add(state["owner"])
         cells.append(tenant_id)
     for entry in legend.values():
         requests = sorted(entry.pop("requests"))

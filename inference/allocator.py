@@ -31,6 +31,16 @@ class PoolLost(LedgerError):
     whole tensor and register a fresh generation."""
 
 
+CACHE_ENTRY_PREFIX = "cache~"  # owners named so are prefix-cache entries; no request may take such a name
+
+
+def cache_entry(salt: str) -> str:
+    """The owner that holds one cache scope's (salt's) pages in a pool."""
+    if not isinstance(salt, str) or not salt or any(c in salt for c in ": "):
+        raise LedgerError(f"a cache scope is a non-empty salt without ':' or spaces, got {salt!r}")
+    return CACHE_ENTRY_PREFIX + salt
+
+
 @dataclass(frozen=True)
 class Grant:
     """Pages handed to one owner, with the fencing epoch each page was granted under."""
@@ -55,6 +65,15 @@ class PageAllocator(Protocol):
 
     def check_integrity(self) -> None: ...
 
+    # shared pages (the prefix cache); RedisLedger documents each
+    def cache(self, owner: str, salt: str, pages: Sequence[int], epochs: Sequence[int]) -> str: ...
+
+    def hit(self, reader: str, salt: str, pages: Sequence[int], epochs: Sequence[int]) -> bool: ...
+
+    def unread(self, reader: str) -> int: ...
+
+    def evict(self, salt: str, pages: Sequence[int], epochs: Sequence[int]) -> int: ...
+
 
 class LocalAllocator:
     """In-process allocator with the ledger's semantics: FIFO free list, monotonic epochs."""
@@ -67,6 +86,8 @@ class LocalAllocator:
         self._free: deque[int] = deque(range(num_pages))
         self._owner: dict[int, tuple[str, int]] = {}  # page -> (owner, epoch)
         self._next_epoch = 1
+        self._scope: dict[int, str] = {}  # cached page -> salt
+        self._readers: dict[int, set[str]] = {}  # cached page -> readers
 
     def num_free(self) -> int:
         return len(self._free)
@@ -82,6 +103,8 @@ class LocalAllocator:
 
     def _grant(self, requests, keep_free: int, must_hold: bool) -> list[Grant] | None:
         owners = [o for o, _ in requests]
+        if any(o.startswith(CACHE_ENTRY_PREFIX) for o in owners):
+            raise LedgerError(f"owners {owners}: names starting with {CACHE_ENTRY_PREFIX!r} are cache entries")
         if len(set(owners)) != len(owners):
             raise LedgerError(f"owners listed twice in one grant: {owners}")
         if any(n < 0 for _, n in requests) or keep_free < 0:
@@ -112,16 +135,59 @@ class LocalAllocator:
                     f"pool {self.pool_id}: {owner} cannot free page {page} at epoch {epoch}; "
                     f"it is held by {held}"
                 )
+            if page in self._scope:
+                raise LedgerError(f"pool {self.pool_id}: page {page} is cached; evict it instead")
         for page in pages:
             del self._owner[page]
             self._free.append(page)
 
     def release(self, owner: str) -> list[int]:
+        self.unread(owner)
         pages = sorted(p for p, (o, _) in self._owner.items() if o == owner)
         for page in pages:
             del self._owner[page]
+            self._scope.pop(page, None)
             self._free.append(page)
         return pages
+
+    def cache(self, owner: str, salt: str, pages: Sequence[int], epochs: Sequence[int]) -> str:
+        entry = cache_entry(salt)
+        for page, epoch in zip(pages, epochs, strict=True):
+            if self._owner.get(page) != (owner, epoch) or page in self._scope:
+                raise LedgerError(f"pool {self.pool_id}: {owner} cannot cache page {page} at epoch {epoch}")
+        for page, epoch in zip(pages, epochs):
+            self._owner[page] = (entry, epoch)
+            self._scope[page] = salt
+            self._readers[page] = set()
+        return entry
+
+    def hit(self, reader: str, salt: str, pages: Sequence[int], epochs: Sequence[int]) -> bool:
+        for page, epoch in zip(pages, epochs, strict=True):
+            if self._scope.get(page, salt) != salt:
+                raise LedgerError(f"pool {self.pool_id}: {reader} cannot read cached page {page}: it is outside "
+                                  "its scope")
+            if page not in self._scope or self._owner[page][1] != epoch:
+                return False
+        for page in pages:
+            self._readers[page].add(reader)
+        return True
+
+    def unread(self, reader: str) -> int:
+        n = 0
+        for readers in self._readers.values():
+            n += reader in readers
+            readers.discard(reader)
+        return n
+
+    def evict(self, salt: str, pages: Sequence[int], epochs: Sequence[int]) -> int:
+        entry = cache_entry(salt)
+        for page, epoch in zip(pages, epochs, strict=True):
+            if self._owner.get(page) != (entry, epoch) or self._readers.get(page):
+                raise LedgerError(f"pool {self.pool_id}: {entry} cannot evict page {page} at epoch {epoch}")
+        for page in pages:
+            del self._owner[page], self._scope[page], self._readers[page]
+            self._free.append(page)
+        return sum(1 for o, _ in self._owner.values() if o == entry)
 
     def check_integrity(self) -> None:
         free = set(self._free)

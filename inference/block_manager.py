@@ -5,10 +5,12 @@ Pages come from a `PageAllocator` (the Redis ledger in workers); the mirror is u
 allocate, append, write and free, so the per-token guard needs no Redis round trip. The verbs:
 `allocate` (a sequence's first pages), `can_append`/`append_slots` (a step's growth, one ledger call for
 every sequence that crosses a page boundary), `deallocate` (finish and preemption alike: free + scrub).
+A sequence's block table may start with shared pages (`seq.num_shared`, read from the prefix cache):
+those must be cached pages of the sequence's own scope (`seq.salt`), and are never written.
 """
 from dataclasses import dataclass
 
-from inference.allocator import PageAllocator
+from inference.allocator import PageAllocator, cache_entry
 from inference.faults import NO_FAULTS, Faults
 from inference.kv_cache import PagePool, cdiv
 from inference.sequence import Sequence
@@ -18,7 +20,7 @@ SCRUB_POLICIES = ("on_free", "on_alloc", "off")
 
 @dataclass
 class Violation:
-    kind: str  # foreign_read | stale_epoch | unwritten_read
+    kind: str  # foreign_read | stale_epoch | unwritten_read | shared_write
     reader: str
     page: int
     page_owner: str | None
@@ -66,6 +68,9 @@ class BlockManager:
         self.owner: list[str | None] = [None] * n
         self.epoch: list[int] = [0] * n
         self.written: list[int] = [0] * n
+        self.scope: list[str | None] = [None] * n  # the salt of a cached page
+        self.readers: list[int] = [0] * n  # sequences here reading a cached page
+        self.prefix_cache = None  # an inference.prefix_cache.PrefixCache, when the engine caches prefixes
         self.num_guard_checks = 0  # check_reads calls since start (a metric: kvserve_guard_checks_total)
 
     @property
@@ -78,6 +83,8 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_pages: int, keep_free: int = 0) -> bool:
         """Gives `seq` `num_pages` more pages, leaving at least `keep_free` free; False when they do not fit now."""
         grant = self.allocator.allocate(seq.request_id, num_pages, keep_free)
+        if grant is None and self.prefix_cache is not None and self.prefix_cache.evict(num_pages + keep_free):
+            grant = self.allocator.allocate(seq.request_id, num_pages, keep_free)  # LRU cached pages made room
         if grant is None:
             return False
         self._take(seq, grant)
@@ -89,8 +96,11 @@ class BlockManager:
 
     def can_append(self, grows: list[tuple[Sequence, int]]) -> bool:
         """Whether the pool has the pages `grows` asks for (an unreachable ledger counts as yes: not a shortage)."""
-        free = self.allocator.num_free()
-        return free is None or free >= sum(n for _, n in grows)
+        free, need = self.allocator.num_free(), sum(n for _, n in grows)
+        if free is not None and free < need and self.prefix_cache is not None:  # cached pages go before anyone
+            self.prefix_cache.evict(need)                                        # running is preempted
+            free = self.allocator.num_free()
+        return free is None or free >= need
 
     def append_slots(self, grows: list[tuple[Sequence, int]]) -> bool:
         """Gives each (seq, n) n more pages in ONE ledger call, all or nothing; False when they do not fit now."""
@@ -113,24 +123,84 @@ class BlockManager:
         seq.page_epochs += grant.epochs
 
     def deallocate(self, seq: Sequence) -> None:
+        """Ends `seq`'s reads of shared pages and frees its own; a finished prompt's full pages may stay in
+        the prefix cache instead (its `keep`)."""
         if not seq.block_table:
             return
-        pages = list(seq.block_table)
-        self.allocator.free(seq.request_id, pages, seq.page_epochs)
-        self.forget(pages)
+        if self.prefix_cache is not None and seq.salt and seq.status.value in ("finished", "prefilled"):
+            self.prefix_cache.keep(seq)
+        self.unshare(seq)
+        entry = cache_entry(seq.salt) if seq.salt else None
+        kept = [self.scope[p] is not None and self.owner[p] == entry for p in seq.block_table]  # now cached
+        pages = [p for p, k in zip(seq.block_table, kept) if not k]
+        epochs = [e for e, k in zip(seq.page_epochs, kept) if not k]
+        if pages:
+            self.allocator.free(seq.request_id, pages, epochs)
+            self.forget(pages)
         seq.block_table, seq.page_epochs = [], []
 
     def release_all(self, seq: Sequence) -> list[int]:
-        """Frees whatever the ledger says `seq` owns, not what its (possibly corrupt) table says."""
+        """Frees whatever the ledger says `seq` owns (and ends its reads), not what its (possibly corrupt)
+        table says."""
+        self.forget_reads(seq)
         pages = self.allocator.release(seq.request_id)
         self.forget(pages)
         seq.block_table, seq.page_epochs = [], []
         return pages
 
+    # ---- shared pages ------------------------------------------------------------------------------
+    def share(self, seq: Sequence, pages, epochs) -> bool:
+        """`seq` (holding nothing yet) reads cached pages of its scope as the start of its block table; False
+        when one left the cache meanwhile (nothing recorded)."""
+        if seq.block_table:
+            raise ValueError(f"{seq} holds pages already: shared pages start a block table")
+        if not pages:
+            return True
+        if not self.allocator.hit(seq.request_id, seq.salt, list(pages), list(epochs)):
+            return False
+        for page in pages:
+            self.readers[page] += 1
+        seq.block_table, seq.page_epochs = list(pages), list(epochs)
+        seq.num_shared = len(pages)
+        return True
+
+    def unshare(self, seq: Sequence) -> None:
+        """Ends `seq`'s reads: its shared pages leave its block table (they stay cached)."""
+        if seq.num_shared:
+            self.allocator.unread(seq.request_id)
+            self.forget_reads(seq)
+
+    def forget_reads(self, seq: Sequence) -> None:
+        """The mirror's side of ending seq's reads (the ledger's is unread, release or a reap)."""
+        for page in seq.block_table[: seq.num_shared]:
+            self.readers[page] = max(0, self.readers[page] - 1)
+        del seq.block_table[: seq.num_shared], seq.page_epochs[: seq.num_shared]
+        seq.num_shared = 0
+
+    def cache_pages(self, seq: Sequence, indices: list[int]) -> str:
+        """`seq`'s own, written, full pages at `indices` of its table go to its scope's cache entry."""
+        pages = [seq.block_table[i] for i in indices]
+        epochs = [seq.page_epochs[i] for i in indices]
+        for i, page in zip(indices, pages):
+            if i < seq.num_shared or self.owner[page] != seq.request_id or self.written[page] != self.page_size:
+                raise ValueError(f"page {page} of {seq} is not its own full page; only those are cached")
+        entry = self.allocator.cache(seq.request_id, seq.salt, pages, epochs)
+        for page in pages:
+            self.owner[page], self.scope[page] = entry, seq.salt
+        return entry
+
+    def evict_pages(self, salt: str, pages, epochs) -> None:
+        """Cached pages without readers go back to the pool, scrubbed like any freed page."""
+        if any(self.readers[p] for p in pages):
+            raise ValueError(f"cached pages {[p for p in pages if self.readers[p]]} have readers")
+        self.allocator.evict(salt, list(pages), list(epochs))
+        self.forget(pages)
+
     def forget(self, pages) -> None:
         """Drops pages from the mirror (freed or reclaimed) and scrubs them under `on_free`."""
         for page in pages:
             self.owner[page], self.epoch[page], self.written[page] = None, 0, 0
+            self.scope[page], self.readers[page] = None, 0
         if self.scrub_policy == "on_free":
             self.pool.scrub(pages)
 
@@ -150,9 +220,16 @@ class BlockManager:
         needed = -(-(num_past + num_new) // ps)
         if needed > len(seq.block_table):
             self._raise("unwritten_read", seq, None, num_past + num_new, 0, None)
+        if self.check_owner and num_new and num_past // ps < seq.num_shared:
+            page = seq.block_table[num_past // ps]
+            self._raise("shared_write", seq, page, num_past, self.written[page], seq.page_epochs[num_past // ps])
+        scope_owner = cache_entry(seq.salt) if seq.num_shared else None
         for i, (page, epoch) in enumerate(zip(seq.block_table, seq.page_epochs)):
             if self.check_owner:
-                if self.owner[page] != rid:
+                if i < seq.num_shared:  # a cached page of the sequence's own scope, held by that scope's entry
+                    if self.scope[page] != seq.salt or self.owner[page] != scope_owner:
+                        self._raise("foreign_read", seq, page, num_past, self.written[page], epoch)
+                elif self.owner[page] != rid:
                     self._raise("foreign_read", seq, page, num_past, self.written[page], epoch)
                 if self.epoch[page] != epoch:
                     self._raise("stale_epoch", seq, page, num_past, self.written[page], epoch)

@@ -15,6 +15,7 @@ from inference.faults import NO_FAULTS, Faults
 from inference.kv_cache import PagePool, cdiv, page_checksums
 from inference.loader import LoadedModel, load_model
 from inference.model import Llama
+from inference.prefix_cache import PrefixCache
 from inference.runner import StepBuilder
 from inference.sampling import sample, sampled_logprobs
 from inference.scheduler import RequestTooLarge, ScheduledChunk, Scheduler
@@ -49,6 +50,7 @@ class EngineConfig:
     attention: str | None = None  # None: chosen from the device (KVSERVE_ATTENTION overrides)
     faults: Faults = field(default_factory=lambda: NO_FAULTS)
     pool_mb: int | None = None  # size the pool by memory instead of num_pages
+    prefix_cache: bool = False  # keep finished prompts' full pages for requests of the same scope (salt)
     watermark: float = 0.01  # fraction of the pool admission leaves free for running sequences to grow into
     reserve_whole: bool = False  # bench.ondemand's baseline only: reserve prompt + max_tokens at admission
 
@@ -73,6 +75,7 @@ class EngineConfig:
             dtype=env.get("KVSERVE_DTYPE", "float32"),
             device=env.get("KVSERVE_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu"),
             faults=Faults.from_env(),
+            prefix_cache=env.get("KVSERVE_PREFIX_CACHE", "on").lower() not in ("0", "off", "false", "no"),
         )
         if env.get("KVSERVE_POOL_MB") and not env.get("KVSERVE_NUM_PAGES"):
             values["pool_mb"] = int(env["KVSERVE_POOL_MB"])
@@ -99,6 +102,11 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, config.chunk_size, config.max_num_seqs,
                                    watermark_pages=int(num_pages * config.watermark),
                                    reserve_whole=config.reserve_whole)
+        self.prefix_cache = PrefixCache(self.block_manager) if config.prefix_cache else None
+        if self.prefix_cache is not None:
+            pc, sched = self.prefix_cache, self.scheduler
+            sched.admit = lambda seq: pc.admit(seq, lambda s: sched.pages_to_admit(s, s.num_tokens),
+                                               sched.admission_keep_free())
         self.runner = StepBuilder(self.pool, fresh_reads_pool=self.attention_backend == "xformers")
         self.window = config.window or mc.max_position
         self.tokenizer = model.tokenizer
@@ -143,13 +151,14 @@ class Engine:
                                          f"window {self.window}, pool {self.capacity_tokens}")
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    prefill_only: bool = False) -> Sequence:
+                    prefill_only: bool = False, salt: str | None = None) -> Sequence:
+        """Queues a request. `salt` (the server-derived scope) lets it reuse and fill the prefix cache."""
         if request_id in self.seqs:
             raise DuplicateRequest(f"request {request_id} is already in this engine")
         reason = self.admission_error(len(prompt_ids), params.max_tokens)
         if reason:
             raise RequestTooLarge(reason)
-        seq = Sequence(request_id, prompt_ids, params, prefill_only)
+        seq = Sequence(request_id, prompt_ids, params, prefill_only, salt if self.prefix_cache is not None else None)
         self.scheduler.add(seq)
         self.seqs[request_id] = seq
         return seq
@@ -248,9 +257,16 @@ class Engine:
             seq.status, seq.error = SeqStatus.FAILED, "lease lost"
             self.scheduler.remove(seq)
             self.runner.release(seq)
-            pages.update(seq.block_table)
+            own = seq.block_table[seq.num_shared:]
+            if pages.issuperset(own):  # its own lease went: the ledger lists nothing of it any more
+                self.block_manager.forget_reads(seq)
+                pages.update(own)
+            else:  # a cached page it read was reaped under it: its own pages go back through the ledger
+                self.block_manager.release_all(seq)
             seq.block_table, seq.page_epochs = [], []
             failed.append(seq)
+        if self.prefix_cache is not None:
+            self.prefix_cache.forget(pages)
         ordered = sorted(pages)
         self.block_manager.forget(ordered)  # scrubs them under on_free
         if self.scrub_policy != "on_free":
@@ -266,8 +282,10 @@ class Engine:
             seq.status, seq.error = SeqStatus.FAILED, reason
             self.scheduler.remove(seq)
             self.runner.release(seq)
-            seq.block_table, seq.page_epochs = [], []
+            seq.block_table, seq.page_epochs, seq.num_shared = [], [], 0
         self.seqs = {}
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
         self.block_manager.forget(range(self.pool.num_pages))  # scrubs every page under on_free
         if self.scrub_policy != "on_free":
             self.pool.data.zero_()

@@ -18,6 +18,7 @@ KNOWN_FAULTS = {
     "placeholder_on_reject": "prefill swaps a rejected prompt for a 1-token placeholder (the incident)",
     "foreign_page_once": "the first request a decode worker admits gets a page it does not own in its block table "
                          "(another running request's, else a bystander's): the read guard must stop it",
+    "no_prefix_scope": "prefill reads and fills one prefix-cache scope for every tenant (the salt ignores the tenant)",
 }
 
 

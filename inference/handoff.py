@@ -44,6 +44,7 @@ class Handoff:
     blob_dtype: str = ""  # the transported blob's dtype (one of KV_DTYPES); both signed with the rest
     first_token: int | None = None
     first_logprobs: list | None = None  # the first token's (logprob, [[id, logprob], ...]) when the request asked
+    cached_tokens: int = 0  # prompt tokens prefill read from its prefix cache (usage; the blob holds them all)
     created_at: float = field(default_factory=time.time)
     signature: str = ""
 

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import redis
 
-from inference.allocator import Grant, LedgerError, NotHolding, PoolLost
+from inference.allocator import Grant, LedgerError, NotHolding, PoolLost, cache_entry
 from inference.ledger import RedisLedger
 
 log = logging.getLogger(__name__)
@@ -103,6 +103,41 @@ class HostLedger:
         else:
             if not left:
                 self.forget(owner)
+
+    # ---- shared pages: cache entries and readers hold leases this process renews ----------------------
+    def cache(self, owner: str, salt: str, pages, epochs) -> str:
+        with self._lock:
+            entry = self.ledger.cache(owner, salt, pages, epochs)
+            self._held.add(entry)
+            return entry
+
+    def hit(self, reader: str, salt: str, pages, epochs) -> bool:
+        """A read Redis cannot answer is a miss (the request computes its whole prompt)."""
+        with self._lock:
+            try:
+                ok = self.ledger.hit(reader, salt, pages, epochs)
+            except UNREACHABLE as exc:
+                log.warning("ledger unreachable, %s computes its prefix: %r", reader, exc)
+                return False
+            if ok and pages:
+                self._held.add(reader)
+            return ok
+
+    def unread(self, reader: str) -> int:
+        try:
+            return self.ledger.unread(reader)
+        except PoolLost as exc:
+            self.pool_lost = str(exc)
+        except UNREACHABLE as exc:  # its lease (renewed while it runs) is reaped after it ends: the reads go too
+            log.warning("could not end %s's reads (its lease will be reaped): %r", reader, exc)
+        return 0
+
+    def evict(self, salt: str, pages, epochs) -> int:
+        with self._lock:
+            left = self.ledger.evict(salt, pages, epochs)
+            if not left:
+                self._held.discard(cache_entry(salt))
+            return left
 
     def release(self, owner: str) -> list[int]:
         """Frees what the ledger lists for `owner`; [] when it cannot (its lease runs out and is reaped)."""

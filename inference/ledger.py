@@ -9,18 +9,21 @@ its worker has seen (`reset`), and a client refuses a pool whose counter is behi
 """
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import redis
 from redis.exceptions import ResponseError
 
-from inference.allocator import Grant, IntegrityError, LedgerError, NotHolding, PoolLost
+from inference.allocator import CACHE_ENTRY_PREFIX, Grant, IntegrityError, LedgerError, NotHolding, PoolLost, cache_entry
 
 ROLES = ("prefill", "decode", "sandbox")
 # Every script gets the pool's fixed keys as KEYS in this order, and ARGV[1..2] = owner-key prefix, pool id.
 _KEY_PARTS = ("meta", "free", "page_owner", "page_epoch", "owners", "leases", "dirty", "epoch", "scrubbing")
 GENERATION_SPAN = 2**32  # epochs of generation g lie in (g * span, (g + 1) * span]
+# Shared (prefix-cache) pages, after the pool's fixed keys: scope (page -> salt of each cached page),
+# reader_scope (reader -> the salt it reads under), and two key prefixes: readers:<page>, reads:<owner>.
+_SHARED_PARTS = ("scope", "reader_scope", "readers:", "reads:")
 
 
 def ledger_key(prefix: str, pool_id: str | None = None, part: str = "") -> str:
@@ -53,6 +56,7 @@ class Beat:
 _PREAMBLE = """
 local meta, free, page_owner, page_epoch, owners, leases, dirty, epoch, scrubbing, pools = unpack(KEYS)
 local owner_prefix, pool = ARGV[1], ARGV[2]
+local scope, reader_scope, readers_prefix, reads_prefix = KEYS[11], KEYS[12], KEYS[13], KEYS[14]
 local function fail(kind, msg) return redis.error_reply(kind .. ' pool ' .. pool .. ': ' .. msg) end
 local function unregistered()
   return fail('UNREGISTERED', 'not registered; its worker registers it at start (was Redis restarted '
@@ -64,6 +68,15 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 local function by_number(a, b) return tonumber(a) < tonumber(b) end
+-- {readers of every page in scope: {page, {readers}}, ...}, {reads of each of `names`}
+local function shared_sets(names)
+  local by_page, by_owner = {}, {}
+  for _, p in ipairs(redis.call('HKEYS', scope)) do
+    by_page[#by_page + 1] = {p, redis.call('SMEMBERS', readers_prefix .. p)}
+  end
+  for i, o in ipairs(names) do by_owner[i] = redis.call('SMEMBERS', reads_prefix .. o) end
+  return {by_page, by_owner}
+end
 -- a client that has seen epoch `floor` refuses a counter behind it: epochs would repeat
 local function behind(floor)
   local counter = tonumber(redis.call('GET', epoch) or '0')
@@ -84,11 +97,39 @@ local function all_owners()
   add(redis.call('SMEMBERS', owners))
   add(redis.call('HVALS', page_owner))
   add(redis.call('ZRANGE', leases, 0, -1))
+  add(redis.call('HKEYS', reader_scope))
   return out
 end
 local function wipe()
-  for _, o in ipairs(all_owners()) do redis.call('DEL', owner_prefix .. o) end
-  redis.call('DEL', meta, free, page_owner, page_epoch, owners, leases, dirty, scrubbing)
+  for _, o in ipairs(all_owners()) do redis.call('DEL', owner_prefix .. o, reads_prefix .. o) end
+  for _, p in ipairs(redis.call('HKEYS', scope)) do redis.call('DEL', readers_prefix .. p) end
+  redis.call('DEL', meta, free, page_owner, page_epoch, owners, leases, dirty, scrubbing, scope, reader_scope)
+end
+-- ---- shared pages ----
+-- ends every read of `owner` (its pages in reads:<owner>)
+local function drop_reads(owner)
+  local rkey = reads_prefix .. owner
+  for _, page in ipairs(redis.call('SMEMBERS', rkey)) do redis.call('SREM', readers_prefix .. page, owner) end
+  redis.call('DEL', rkey)
+  redis.call('HDEL', reader_scope, owner)
+end
+-- a cached page leaves the cache: its scope and its readers' records go (the readers fail in their engine)
+local function uncache(page)
+  for _, r in ipairs(redis.call('SMEMBERS', readers_prefix .. page)) do
+    redis.call('SREM', reads_prefix .. r, page)
+    if redis.call('SCARD', reads_prefix .. r) == 0 then redis.call('HDEL', reader_scope, r) end
+  end
+  redis.call('DEL', readers_prefix .. page)
+  redis.call('HDEL', scope, page)
+end
+-- an owner holding neither pages nor reads leaves the owner index and its lease goes
+local function settle(owner)
+  if redis.call('SCARD', owner_prefix .. owner) == 0 and redis.call('SCARD', reads_prefix .. owner) == 0 then
+    redis.call('SREM', owners, owner)
+    redis.call('ZREM', leases, owner)
+    return true
+  end
+  return false
 end
 local function state_of(page)
   local holder = redis.call('HGET', page_owner, page)
@@ -144,7 +185,9 @@ local function reap(now)
       redis.call('HDEL', page_owner, page)
       redis.call('HDEL', page_epoch, page)
       redis.call('SADD', dirty, page)
+      uncache(page)
     end
+    drop_reads(owner)
     redis.call('DEL', owner_prefix .. owner)
     redis.call('SREM', owners, owner)
     redis.call('ZREM', leases, owner)
@@ -233,6 +276,9 @@ for i = 1, k do
   if redis.call('HGET', page_owner, page) ~= owner or redis.call('HGET', page_epoch, page) ~= e then
     return fail('LEDGER', owner .. ' cannot free page ' .. page .. ' at epoch ' .. e .. ': ' .. state_of(page))
   end
+  if redis.call('HEXISTS', scope, page) == 1 then
+    return fail('LEDGER', owner .. ' cannot free page ' .. page .. ': it is cached; evict it instead')
+  end
 end
 for i = 1, k do
   local page = ARGV[4 + i]
@@ -242,10 +288,7 @@ for i = 1, k do
   redis.call('RPUSH', free, page)
 end
 local left = redis.call('SCARD', okey)
-if left == 0 then
-  redis.call('SREM', owners, owner)
-  redis.call('ZREM', leases, owner)
-end
+settle(owner)
 return left
 """,
     # ARGV: owner. Returns the freed pages, sorted; they join the free list in that order.
@@ -260,13 +303,20 @@ for _, page in ipairs(pages) do
     return misfiled(owner, page)
   end
 end
+for _, page in ipairs(pages) do
+  if redis.call('SCARD', readers_prefix .. page) > 0 then
+    return fail('LEDGER', owner .. ' cannot release page ' .. page .. ': it is cached and has readers')
+  end
+end
 local out = {}
 for _, page in ipairs(pages) do
   redis.call('HDEL', page_owner, page)
   redis.call('HDEL', page_epoch, page)
+  redis.call('HDEL', scope, page)
   redis.call('RPUSH', free, page)
   out[#out + 1] = tonumber(page)
 end
+drop_reads(owner)
 redis.call('DEL', okey)
 redis.call('SREM', owners, owner)
 redis.call('ZREM', leases, owner)
@@ -373,9 +423,128 @@ return {
   redis.call('SISMEMBER', pools, pool),
   redis.call('HGETALL', scrubbing),
   redis.call('HGET', meta, 'generation') or '0',
+  redis.call('HGETALL', scope),
+  redis.call('HGETALL', reader_scope),
+  shared_sets(names),
 }
 """,
 }
+
+# ---- shared pages (the prefix cache) ----------------------------------------------------------------------
+# A cached page is owned by one cache entry (owner `cache~<salt>`) and carries its scope (the salt). Readers
+# are requests of that scope; each read is in readers:<page> and reads:<reader>, under the reader's lease.
+# A page with readers is neither evicted nor released; a reaped entry's pages go dirty like any other.
+_SHARED_SCRIPTS = {
+    # ARGV: owner, entry, salt, ttl_ms, k, k pages, k epochs. The owner's pages (full, written) move to the
+    # cache entry `entry` of scope `salt`, keeping their epochs. All or nothing.
+    "cache": """
+local owner, entry, salt, ttl_ms, k = ARGV[3], ARGV[4], ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7])
+if not registered() then return unregistered() end
+local okey, ekey = owner_prefix .. owner, owner_prefix .. entry
+for _, page in ipairs(redis.call('SMEMBERS', ekey)) do
+  if redis.call('HGET', scope, page) ~= salt then
+    return fail('INTEGRITY', 'cache entry ' .. entry .. ' holds page ' .. page .. ' of another scope')
+  end
+end
+local seen = {}
+for i = 1, k do
+  local page, e = ARGV[7 + i], ARGV[7 + k + i]
+  if seen[page] then return fail('LEDGER', 'page ' .. page .. ' is listed twice; cache each page once') end
+  seen[page] = true
+  if redis.call('HGET', page_owner, page) ~= owner or redis.call('HGET', page_epoch, page) ~= e then
+    return fail('LEDGER', owner .. ' cannot cache page ' .. page .. ' at epoch ' .. e .. ': ' .. state_of(page))
+  end
+  if redis.call('HEXISTS', scope, page) == 1 then
+    return fail('LEDGER', owner .. ' cannot cache page ' .. page .. ': it is cached already')
+  end
+end
+for i = 1, k do
+  local page = ARGV[7 + i]
+  redis.call('HSET', page_owner, page, entry)
+  redis.call('SREM', okey, page)
+  redis.call('SADD', ekey, page)
+  redis.call('HSET', scope, page, salt)
+end
+if k > 0 then
+  redis.call('SADD', owners, entry)
+  redis.call('ZADD', leases, int(now_ms() + ttl_ms), entry)
+end
+settle(owner)
+return k
+""",
+    # ARGV: reader, salt, ttl_ms, k, k pages, k epochs. 1 when every page is cached at that epoch in scope `salt`
+    # (the reader now reads them, under its lease); 0 when one was evicted meanwhile. Another scope's page,
+    # or a reader that reads under another scope already, is refused.
+    "hit": """
+local reader, salt, ttl_ms, k = ARGV[3], ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
+if not registered() then return unregistered() end
+local has = redis.call('HGET', reader_scope, reader)
+if has and has ~= salt then
+  return fail('LEDGER', reader .. ' reads under another scope already; one request reads one scope')
+end
+for i = 1, k do
+  local page, e = ARGV[6 + i], ARGV[6 + k + i]
+  local s = redis.call('HGET', scope, page)
+  if s and s ~= salt then
+    return fail('LEDGER', reader .. ' cannot read cached page ' .. page .. ': it is outside its scope')
+  end
+  if not s or redis.call('HGET', page_epoch, page) ~= e then return 0 end
+end
+if k == 0 then return 1 end
+for i = 1, k do
+  local page = ARGV[6 + i]
+  redis.call('SADD', readers_prefix .. page, reader)
+  redis.call('SADD', reads_prefix .. reader, page)
+end
+redis.call('HSET', reader_scope, reader, salt)
+redis.call('SADD', owners, reader)
+if not redis.call('ZSCORE', leases, reader) then redis.call('ZADD', leases, int(now_ms() + ttl_ms), reader) end
+return 1
+""",
+    # ARGV: reader. Ends its reads; returns how many pages it read.
+    "unread": """
+if not registered() then return unregistered() end
+local reader = ARGV[3]
+local n = redis.call('SCARD', reads_prefix .. reader)
+drop_reads(reader)
+settle(reader)
+return n
+""",
+    # ARGV: entry, k, k pages, k epochs. Cached pages without readers leave the cache for the free list (their
+    # worker scrubs them; the next grant gives a fresh epoch). All or nothing. Returns the entry's pages left.
+    "evict": """
+local entry, k = ARGV[3], tonumber(ARGV[4])
+if not registered() then return unregistered() end
+local ekey = owner_prefix .. entry
+for i = 1, k do
+  local page, e = ARGV[4 + i], ARGV[4 + k + i]
+  if redis.call('HGET', page_owner, page) ~= entry or redis.call('HGET', page_epoch, page) ~= e
+      or redis.call('HEXISTS', scope, page) == 0 then
+    return fail('LEDGER', entry .. ' cannot evict page ' .. page .. ' at epoch ' .. e .. ': ' .. state_of(page))
+  end
+  if redis.call('SCARD', readers_prefix .. page) > 0 then
+    return fail('LEDGER', entry .. ' cannot evict page ' .. page .. ': it has readers')
+  end
+end
+for i = 1, k do
+  local page = ARGV[4 + i]
+  redis.call('HDEL', page_owner, page)
+  redis.call('HDEL', page_epoch, page)
+  redis.call('SREM', ekey, page)
+  uncache(page)
+  redis.call('RPUSH', free, page)
+end
+settle(entry)
+return redis.call('SCARD', ekey)
+""",
+    "reads_of": """
+local out = {}
+for _, page in ipairs(redis.call('SMEMBERS', reads_prefix .. ARGV[3])) do out[#out + 1] = tonumber(page) end
+table.sort(out)
+return out
+""",
+}
+_SCRIPTS.update(_SHARED_SCRIPTS)
 
 
 def _str(value) -> str:
@@ -394,7 +563,14 @@ def _few(items, limit: int = 20) -> str:
 
 
 def _pool_keys(prefix: str, pool_id: str) -> list[str]:
-    return [ledger_key(prefix, pool_id, part) for part in _KEY_PARTS] + [ledger_key(prefix)]
+    return ([ledger_key(prefix, pool_id, part) for part in _KEY_PARTS] + [ledger_key(prefix)]
+            + [ledger_key(prefix, pool_id, part) for part in _SHARED_PARTS])
+
+
+def _check_request_owner(owner: str) -> None:
+    _check_owner(owner)
+    if owner.startswith(CACHE_ENTRY_PREFIX):
+        raise LedgerError(f"owner {owner!r}: names starting with {CACHE_ENTRY_PREFIX!r} are cache entries")
 
 
 def _run(script, keys: list[str], args: list) -> object:
@@ -436,6 +612,10 @@ class _Facts:
     is_listed: bool
     scrubbing: dict[int, str]
     generation: int
+    scope: dict[int, str] = field(default_factory=dict)  # cached page -> salt
+    reader_scope: dict[str, str] = field(default_factory=dict)
+    readers: dict[int, set[str]] = field(default_factory=dict)  # cached page -> its readers
+    reads: dict[str, set[int]] = field(default_factory=dict)  # owner -> pages it reads
 
 
 class RedisLedger:
@@ -535,7 +715,7 @@ class RedisLedger:
     def _grant(self, requests: list[tuple[str, int]], must_hold: bool, keep_free: int = 0) -> list[Grant] | None:
         owners = [owner for owner, _ in requests]
         for owner in owners:
-            _check_owner(owner)
+            _check_request_owner(owner)
         if len(set(owners)) != len(owners):
             raise LedgerError(f"pool {self.pool_id}: owners listed twice in one grant: {owners}")
         for owner, n in requests:
@@ -622,9 +802,47 @@ class RedisLedger:
         flat = self._call("pages_of", owner)
         return dict(sorted(zip(flat[0::2], flat[1::2])))
 
+    # ---- shared pages (the prefix cache) ----------------------------------------------------------------
+    def cache(self, owner: str, salt: str, pages: Sequence[int], epochs: Sequence[int]) -> str:
+        """Hand `owner`'s written, full pages to the cache entry of scope `salt` (they keep their epochs);
+        all or nothing. Returns the entry (an owner whose lease the pool's worker renews)."""
+        _check_request_owner(owner)
+        entry = cache_entry(salt)
+        pages, epochs = [int(p) for p in pages], [int(e) for e in epochs]
+        if len(pages) != len(epochs):
+            raise LedgerError(f"pool {self.pool_id}: cache got {len(pages)} pages but {len(epochs)} epochs")
+        self._call("cache", owner, entry, salt, _ms(self.lease_ttl_s), len(pages), *pages, *epochs)
+        return entry
+
+    def hit(self, reader: str, salt: str, pages: Sequence[int], epochs: Sequence[int]) -> bool:
+        """`reader` reads the cached pages (scope `salt`, at those epochs) under its lease: True, or False when
+        one left the cache meanwhile (nothing recorded). A page of another scope raises LedgerError."""
+        _check_request_owner(reader)
+        cache_entry(salt)  # checks the salt
+        pages, epochs = [int(p) for p in pages], [int(e) for e in epochs]
+        if len(pages) != len(epochs):
+            raise LedgerError(f"pool {self.pool_id}: hit got {len(pages)} pages but {len(epochs)} epochs")
+        return bool(self._call("hit", reader, salt, _ms(self.lease_ttl_s), len(pages), *pages, *epochs))
+
+    def unread(self, reader: str) -> int:
+        """Ends every read of `reader`; returns how many pages it read."""
+        _check_request_owner(reader)
+        return int(self._call("unread", reader))
+
+    def evict(self, salt: str, pages: Sequence[int], epochs: Sequence[int]) -> int:
+        """Cached pages of scope `salt` without readers go to the free list (their worker scrubs them, the next
+        grant gives a fresh epoch). All or nothing; returns how many pages the entry still holds."""
+        pages, epochs = [int(p) for p in pages], [int(e) for e in epochs]
+        if len(pages) != len(epochs):
+            raise LedgerError(f"pool {self.pool_id}: evict got {len(pages)} pages but {len(epochs)} epochs")
+        return int(self._call("evict", cache_entry(salt), len(pages), *pages, *epochs)) if pages else 0
+
+    def reads_of(self, reader: str) -> list[int]:
+        return [int(p) for p in self._call("reads_of", reader)]
+
     def _facts(self) -> _Facts:
         (num_pages, free, dirty, owner_flat, epoch_flat, index, names, sets, lease_flat, counter, listed,
-         scrubbing, generation) = self._call("facts")
+         scrubbing, generation, scope_flat, reader_scope_flat, (by_page, by_owner)) = self._call("facts")
         return _Facts(
             num_pages=None if num_pages is None else int(num_pages),
             free=[int(p) for p in free],
@@ -638,6 +856,10 @@ class RedisLedger:
             is_listed=bool(listed),
             scrubbing={int(p): _str(c) for p, c in zip(scrubbing[0::2], scrubbing[1::2])},
             generation=int(generation),
+            scope={int(p): _str(x) for p, x in zip(scope_flat[0::2], scope_flat[1::2])},
+            reader_scope={_str(o): _str(x) for o, x in zip(reader_scope_flat[0::2], reader_scope_flat[1::2])},
+            readers={int(p): {_str(r) for r in rs} for p, rs in by_page},
+            reads={_str(o): {int(p) for p in ps} for o, ps in zip(names, by_owner) if ps},
         )
 
     def snapshot(self) -> dict[int, dict | str]:
@@ -649,6 +871,8 @@ class RedisLedger:
         for page in range(num_pages):
             if page in f.page_owner:
                 out[page] = {"owner": f.page_owner[page], "epoch": f.page_epoch.get(page, -1)}
+                if page in f.scope:
+                    out[page].update(scope=f.scope[page], readers=sorted(f.readers.get(page, ())))
             else:
                 out[page] = "dirty" if page in f.dirty else "free" if page in free else "lost"
         return out
@@ -673,6 +897,7 @@ class PoolCounts:
     used: int
     free: int
     dirty: int
+    cached: int = 0  # of `used`: pages held by the prefix cache
 
     @property
     def lost(self) -> int:
@@ -682,22 +907,22 @@ class PoolCounts:
 
 def pool_counts(redis_client: redis.Redis, prefix: str = "kvs") -> list[PoolCounts]:
     """Every registered pool's counts in two round trips and O(1) Redis work per pool, whatever its size:
-    one MULTI of HMGET meta, LLEN free, SCARD dirty, HLEN page_owner per pool, so each pool's four
-    numbers come from one instant. A pool retired between the listing and the read is left out."""
+    one MULTI of HMGET meta, LLEN free, SCARD dirty, HLEN page_owner, HLEN scope per pool, so each pool's
+    five numbers come from one instant. A pool retired between the listing and the read is left out."""
     pools = sorted(_str(p) for p in redis_client.smembers(ledger_key(prefix)))
     if not pools:
         return []
     with redis_client.pipeline(transaction=True) as pipe:
         for pool_id in pools:
-            meta, free, dirty, owners = (ledger_key(prefix, pool_id, part) for part in ("meta", "free", "dirty",
-                                                                                          "page_owner"))
-            pipe.hmget(meta, "role", "num_pages").llen(free).scard(dirty).hlen(owners)
+            meta, free, dirty, owners, scope = (ledger_key(prefix, pool_id, part) for part in (
+                "meta", "free", "dirty", "page_owner", "scope"))
+            pipe.hmget(meta, "role", "num_pages").llen(free).scard(dirty).hlen(owners).hlen(scope)
         replies = pipe.execute()
     out = []
     for i, pool_id in enumerate(pools):
-        (role, num_pages), free, dirty, used = replies[4 * i: 4 * i + 4]
+        (role, num_pages), free, dirty, used, cached = replies[5 * i: 5 * i + 5]
         if num_pages is not None:
-            out.append(PoolCounts(pool_id, _str(role), int(num_pages), int(used), int(free), int(dirty)))
+            out.append(PoolCounts(pool_id, _str(role), int(num_pages), int(used), int(free), int(dirty), int(cached)))
     return out
 
 
@@ -763,7 +988,8 @@ def _integrity_problems(f: _Facts) -> list[str]:
     ]:
         problems.append(f"owner page sets disagree with page->owner for (page, owner, listed by): "
                         f"{_few(disagree)}")
-    holders = {o for o, pages in f.owner_sets.items() if pages}
+    holders = {o for o, pages in f.owner_sets.items() if pages} | {o for o, pages in f.reads.items() if pages}
+    problems += _shared_problems(f)
     if f.owner_index != holders:
         problems.append(f"owner index {sorted(f.owner_index)} != owners holding pages {sorted(holders)}")
     if unleased := sorted(holders - f.leases.keys()):
@@ -781,6 +1007,32 @@ def _integrity_problems(f: _Facts) -> list[str]:
         problems.append(f"pages claimed for scrubbing that are not dirty: {_few(claimed_clean)}")
     if not f.is_listed:
         problems.append("the pool is missing from the pools set")
+    return problems
+
+
+def _shared_problems(f: _Facts) -> list[str]:
+    """The prefix cache's records: each cached page owned by the one entry of its scope, every reader of
+    a page inside that page's scope and under a lease, readers and reads mirroring each other."""
+    problems = []
+    if bad := [(p, f.page_owner.get(p)) for p, salt in sorted(f.scope.items())
+               if f.page_owner.get(p) != CACHE_ENTRY_PREFIX + salt]:
+        problems.append(f"cached pages not owned by their scope's cache entry (page, owner): {_few(bad)}")
+    if unscoped := sorted(p for p, o in f.page_owner.items()
+                          if o.startswith(CACHE_ENTRY_PREFIX) and p not in f.scope):
+        problems.append(f"pages of a cache entry without a scope: {_few(unscoped)}")
+    if stray := sorted(p for p, rs in f.readers.items() if rs and p not in f.scope):
+        problems.append(f"readers of pages that are not cached: {_few(stray)}")
+    pairs = {(r, p) for p, rs in f.readers.items() for r in rs}
+    if pairs != {(r, p) for r, ps in f.reads.items() for p in ps}:
+        problems.append(f"readers and reads disagree: {_few(sorted(pairs ^ {(r, p) for r, ps in f.reads.items() for p in ps}))}")
+    if outside := sorted((r, p) for r, p in pairs if p in f.scope and f.reader_scope.get(r) != f.scope[p]):
+        problems.append(f"reads outside the reader's scope (reader, page): {_few(outside)}")
+    if unleased := sorted({r for r, _ in pairs} - f.leases.keys()):
+        problems.append(f"readers without a lease: {_few(unleased)}")
+    if own := sorted((r, p) for r, p in pairs if f.page_owner.get(p) == r):
+        problems.append(f"owners reading their own pages as shared (reader, page): {_few(own)}")
+    if idle := sorted(f.reader_scope.keys() - {r for r, _ in pairs}):
+        problems.append(f"reader scopes of owners reading nothing: {_few(idle)}")
     return problems
 
 

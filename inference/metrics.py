@@ -57,6 +57,10 @@ FAMILIES = {f.name: f for f in (
            TRANSFER_BUCKETS),
     Family("prompt_tokens", "Prompt tokens prefilled (handoff OK)", M),
     Family("generation_tokens", "Tokens generated (published by decode workers)", M),
+    Family("prefix_cache_queries", "Prompt tokens looked up in the prefill workers' prefix cache, per tenant (id)",
+           M + ("tenant",)),
+    Family("prefix_cache_hits", "Prompt tokens read from the prefix cache (the tenant's own scope), per tenant (id)",
+           M + ("tenant",)),
     Family("request_success", "Requests finished with an answer, by finish reason", M + ("finished_reason",)),
     # kvserve's own
     Family("request_failure", "Requests that ended failed or rejected after admission, by error code",

@@ -18,6 +18,7 @@ class Exported:
     checksums: tuple[str, ...]
     epochs: tuple[int, ...]
     first_logprobs: tuple | None = None
+    cached_tokens: int = 0  # prompt tokens read from the prefix cache (the blob holds them all)
 
 
 def _fields(engine, request_id: str, prompt_tokens: int, worker_id: str) -> dict:
@@ -34,7 +35,8 @@ def prefill_refusal(engine, request_id: str, prompt_ids: list[int], worker_id: s
 def prefill_export(engine, seq: Sequence, first_logprobs=None) -> Exported:
     """Exports a prefilled sequence's pages and releases them (freed and scrubbed by policy)."""
     blob, sums = engine.export_kv(seq)
-    exported = Exported(seq.output_ids[0], blob, tuple(sums), tuple(seq.page_epochs[: blob.shape[0]]), first_logprobs)
+    exported = Exported(seq.output_ids[0], blob, tuple(sums), tuple(seq.page_epochs[: blob.shape[0]]), first_logprobs,
+                        seq.cached_tokens)
     engine.release(seq)
     return exported
 
@@ -46,4 +48,4 @@ def prefill_handoff(engine, request_id: str, prompt_ids: list[int], worker_id: s
                    transferred_tokens=len(prompt_ids) if transferred is None else transferred,
                    num_pages=exported.blob.shape[0], page_checksums=exported.checksums, page_epochs=exported.epochs,
                    first_token=exported.first_token, first_logprobs=exported.first_logprobs,
-                   **blob_metadata(exported.blob), **_fields(engine, request_id, len(prompt_ids), worker_id))
+                   cached_tokens=exported.cached_tokens, **blob_metadata(exported.blob), **_fields(engine, request_id, len(prompt_ids), worker_id))

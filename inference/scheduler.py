@@ -37,6 +37,9 @@ class Scheduler:
         self.reserve_whole = reserve_whole  # bench.ondemand's baseline only: prompt + max_tokens at admission
         # round-robin across tenants, FIFO within one; a preempted sequence goes first (inference.fair_queue)
         self.waiting: TenantQueues[Sequence] = TenantQueues()
+        # gives a waiting sequence its pages (False: not now); the prefix cache replaces it to reuse pages
+        self.admit = lambda seq: block_manager.allocate(seq, self.pages_to_admit(seq, seq.num_tokens),
+                                                        self.admission_keep_free())
         self.active: list[Sequence] = []  # PREFILLING or RUNNING, in admission order
         self.preempted: list[Sequence] = []  # preempted by the last schedule() (the engine drops their rows)
         self.num_preemptions = 0
@@ -63,7 +66,7 @@ class Scheduler:
     def pages_to_admit(self, seq: Sequence, num_tokens: int) -> int:
         """Pages a sequence is admitted with when it will have written `num_tokens` tokens."""
         if self.reserve_whole:
-            return seq.num_pages_needed(self.block_manager.page_size)
+            return max(0, seq.num_pages_needed(self.block_manager.page_size) - len(seq.block_table))
         return self.block_manager.pages_short(seq, num_tokens)
 
     def admission_keep_free(self) -> int:
@@ -86,13 +89,12 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.active) < self.max_num_seqs and not self.preempted:
             seq = self.waiting.peek()
-            if not self.block_manager.allocate(seq, self.pages_to_admit(seq, seq.num_tokens),
-                                               self.admission_keep_free()):
+            if not self.admit(seq):
                 break  # does not fit now: it keeps its turn, nobody overtakes it (no starvation)
             self.waiting.pop_next()
             seq.status = SeqStatus.PREFILLING
             self.active.append(seq)
-            n = min(budget, seq.num_tokens)
+            n = min(budget, seq.num_tokens - seq.num_cached)  # a cached prefix is not computed again
             chunks.append(ScheduledChunk(seq, n))
             budget -= n
         return chunks

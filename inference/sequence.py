@@ -43,7 +43,8 @@ class SeqStatus(enum.Enum):
 
 
 class Sequence:
-    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, prefill_only: bool = False):
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, prefill_only: bool = False,
+                 salt: str | None = None):
         if not prompt_ids:
             raise ValueError("a request needs at least one prompt token")
         self.request_id = request_id
@@ -55,6 +56,9 @@ class Sequence:
         self.block_table: list[int] = []
         self.page_epochs: list[int] = []
         self.num_cached = 0  # tokens whose K/V are in this sequence's pages
+        self.salt = salt  # its prefix-cache scope (derived by the server); None: it neither reads nor fills the cache
+        self.num_shared = 0  # leading pages of block_table read from the prefix cache (never written)
+        self.cached_tokens = 0  # prompt tokens whose K/V came from the prefix cache (usage)
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.text = ""  # detokenized output so far, stop strings removed

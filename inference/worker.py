@@ -140,6 +140,7 @@ class PrefillCommand:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    salt: str | None = None  # the request's prefix-cache scope (server-derived); None: no cache
     future: Future = field(default_factory=Future, compare=False)
 
 
@@ -152,6 +153,7 @@ class DecodeCommand:
     blob: torch.Tensor = field(compare=False)
     num_transferred: int
     first_logprobs: tuple | None = field(default=None, compare=False)  # (logprob, top) of first_token, if asked
+    cached_tokens: int = 0  # of the prompt, read from prefill's prefix cache (reported in usage)
     future: Future = field(default_factory=Future, compare=False)
 
 
@@ -274,14 +276,14 @@ class WorkerRuntime:
 
     # ---- called from task threads ------------------------------------------------------------
     def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams, timeout_s: float = 600,
-                still_wanted=None) -> Handoff:
+                still_wanted=None, salt: str | None = None) -> Handoff:
         """Prefills the prompt, sends its KV and returns the signed handoff: OK, or REJECTED when the prompt
         cannot be held here. RequestFailed when the request could not be prefilled. `still_wanted()` is
         asked just before the KV is sent; False (the request ended or was taken over meanwhile) sends
         nothing and returns an ABORTED handoff."""
         e, key = self.engine, self.handoff_key
         try:  # the admission re-check is the engine's (Engine.add_request, in the loop): RequestTooLarge
-            exported: Exported = self._run(PrefillCommand(request_id, prompt_ids, params), timeout_s)
+            exported: Exported = self._run(PrefillCommand(request_id, prompt_ids, params, salt), timeout_s)
         except RequestTooLarge as exc:  # never a placeholder: it ends REJECTED, nothing taken or sent
             return prefill_refusal(e, request_id, prompt_ids, self.worker_id, Verdict.REJECTED, str(exc)).signed(key)
         if still_wanted is not None and not still_wanted():
@@ -306,7 +308,7 @@ class WorkerRuntime:
                                  self.transport.take, check="no_handoff_check" not in self.engine.config.faults)
         transfer_ms = (time.perf_counter() - started) * 1000
         seq = self._run(DecodeCommand(request_id, prompt_ids, params, h.first_token, blob, h.transferred_tokens,
-                                      h.first_logprobs), timeout_s)
+                                      h.first_logprobs, h.cached_tokens), timeout_s)
         seq.transfer_ms = round(transfer_ms, 2)
         return seq
 
@@ -411,7 +413,7 @@ class WorkerRuntime:
                 cmd.future.set_exception(RequestFailed("pool_lost", POOL_LOST_ERROR))
             elif isinstance(cmd, PrefillCommand):
                 try:
-                    self.engine.add_request(rid, cmd.prompt_ids, cmd.params, prefill_only=True)
+                    self.engine.add_request(rid, cmd.prompt_ids, cmd.params, prefill_only=True, salt=cmd.salt)
                 except Exception as exc:
                     cmd.future.set_exception(exc)
                 else:
@@ -466,6 +468,7 @@ class WorkerRuntime:
                 continue
             if seq is None:
                 return  # does not fit now; retried after the next step frees pages
+            seq.cached_tokens = cmd.cached_tokens
             self._pending.popleft()
             if "foreign_page_once" in self.engine.config.faults and not seq.is_done and self._bystander is None:
                 self._misroute_first_page(seq)
@@ -540,7 +543,8 @@ class WorkerRuntime:
                     fut.set_result(exported[rid])
             else:
                 self._publish([(rid, {"type": "done", "finish_reason": seq.finish_reason, "usage": {
-                    "prompt_tokens": seq.num_prompt_tokens, "completion_tokens": len(seq.output_ids)}})])
+                    "prompt_tokens": seq.num_prompt_tokens, "completion_tokens": len(seq.output_ids),
+                    "cached_tokens": seq.cached_tokens}})])
                 if seq.read_record:
                     try:
                         self.outputs.record_read(seq.read_record)

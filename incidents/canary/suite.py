@@ -18,6 +18,7 @@ from incidents.canary.handoff_contract import check_handoff_contract
 from incidents.canary.integrity import check_integrity, check_worker_config
 from incidents.canary.marker import check_marker
 from incidents.canary.probes import check_live_probes
+from incidents.canary.prefix_scope import check_prefix_scope
 from incidents.canary.reproduction import check_reproduction
 from incidents.canary.result import CheckResult, IncidentSpec
 from incidents.canary.selftest import check_selftest
@@ -35,6 +36,7 @@ CHECKS = {
     "handoff_contract": check_handoff_contract,
     "reproduction": check_reproduction,
     "marker": check_marker,
+    "prefix_scope": check_prefix_scope,
     "integrity": check_integrity,
     "selftest": check_selftest,
 }

@@ -64,10 +64,16 @@ class ChatApiBase(APIView):
         return super().handle_exception(exc)
 
 
+class PromptTokensDetailsSerializer(serializers.Serializer):
+    cached_tokens = serializers.IntegerField(help_text="Prompt tokens whose KV came from the prefix cache of the "
+                                                       "request's own tenant (and user, when given).")
+
+
 class UsageSerializer(serializers.Serializer):
     prompt_tokens = serializers.IntegerField()
     completion_tokens = serializers.IntegerField()
     total_tokens = serializers.IntegerField()
+    prompt_tokens_details = PromptTokensDetailsSerializer(required=False)
 
 
 @extend_schema_field({"type": "number", "minimum": 0, "exclusiveMinimum": True, "maximum": 1, "nullable": True})
@@ -152,7 +158,9 @@ class ChatCompletionsApi(ChatApiBase):
         stream = StrictBooleanField(required=False, allow_null=True, default=False)
         stream_options = StreamOptionsSerializer(required=False, allow_null=True)
         n = ChoiceCountField(required=False, allow_null=True, min_value=1)
-        user = TextField(required=False, allow_null=True, max_length=256, help_text="Accepted and ignored.")
+        user = TextField(required=False, allow_null=True, max_length=256,
+                         help_text="Narrows prefix-cache sharing: cached prompt pages are reused only within "
+                                   "the same tenant and user.")
         logprobs = StrictBooleanField(required=False, allow_null=True, default=False,
                                       help_text="Return each output token's log-probability (choices[].logprobs).")
         top_logprobs = StrictIntegerField(required=False, allow_null=True, min_value=0, max_value=MAX_TOP_LOGPROBS,
@@ -227,6 +235,8 @@ class ChatCompletionsApi(ChatApiBase):
         params = sampling_params_normalize(data)
         if data.get("logprobs"):
             params["logprobs"] = data.get("top_logprobs") or 0
+        if data.get("user"):
+            params["user"] = data["user"]  # narrows the prefix-cache scope (kvserve/chat/salt.py)
         messages = [{"role": m["role"], "content": m["content"]} for m in data["messages"]]
         stream = bool(data.get("stream"))
         try:
@@ -278,7 +288,9 @@ class CompletionsApi(ChatApiBase):
         echo = StrictBooleanField(required=False, allow_null=True, default=False,
                                   help_text="Only false: echoing the prompt is not supported.")
         suffix = TextField(required=False, allow_null=True, max_length=0, help_text="Not supported (null or empty).")
-        user = TextField(required=False, allow_null=True, max_length=256, help_text="Accepted and ignored.")
+        user = TextField(required=False, allow_null=True, max_length=256,
+                         help_text="Narrows prefix-cache sharing: cached prompt pages are reused only within "
+                                   "the same tenant and user.")
 
         def get_fields(self):
             fields = super().get_fields()
@@ -338,6 +350,8 @@ class CompletionsApi(ChatApiBase):
         params = {**sampling_params_normalize(data), "endpoint": "completions"}
         if data.get("logprobs") is not None:
             params["logprobs"] = data["logprobs"]
+        if data.get("user"):
+            params["user"] = data["user"]  # narrows the prefix-cache scope (kvserve/chat/salt.py)
         stream = bool(data.get("stream"))
         req, _ = chat_request_create(api_key=request.auth, prompt=data["prompt"], params=params, stream=stream,
                                      max_tokens=data.get("max_tokens") or COMPLETIONS_DEFAULT_MAX_TOKENS)

@@ -24,12 +24,15 @@ def admission_rejection_counts() -> dict[str, int]:
     return {json.loads(k)[0]: int(v) for k, v in raw.items()}
 
 
-def chat_metrics_prefilled(req, verdict: str) -> None:
-    """Prefill signed its handoff: the verdict; for OK also the prompt tokens, queue and prefill times."""
+def chat_metrics_prefilled(req, verdict: str, cached_tokens: int = 0) -> None:
+    """Prefill signed its handoff: the verdict; for OK also the prompt tokens (and how many came from the prefix
+    cache, per tenant id), queue and prefill times."""
     m = req.model
     batch = Batch().inc("handoff_verdicts", model_name=m, verdict=verdict)
     if verdict == "OK":
         batch.inc("prompt_tokens", req.prompt_tokens, model_name=m)
+        batch.inc("prefix_cache_queries", req.prompt_tokens, model_name=m, tenant=str(req.tenant_id))
+        batch.inc("prefix_cache_hits", cached_tokens, model_name=m, tenant=str(req.tenant_id))
         for family, start, end in (("request_queue_time_seconds", req.created_at, req.prefill_started_at),
                                    ("request_prefill_time_seconds", req.prefill_started_at,
                                     req.prefill_finished_at or timezone.now())):

@@ -78,7 +78,8 @@ def _usage(usage: dict | None, req: ChatRequest) -> dict:
     usage = usage or {}
     prompt = int(usage.get("prompt_tokens", req.prompt_tokens))
     completion = int(usage.get("completion_tokens", 0))
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": int(usage.get("cached_tokens", 0))}}
 
 
 def completion_wait(req: ChatRequest, *, fingerprint: str = "", gone=None, shape=CHAT) -> dict:

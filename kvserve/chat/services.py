@@ -28,6 +28,7 @@ from incidents.services import incident_record
 from kvserve.chat.metrics import (admission_rejection_count_incr, chat_metrics_decoded, chat_metrics_failed,
                                   chat_metrics_prefilled, chat_metrics_refused)
 from kvserve.chat.models import ChatRequest
+from kvserve.chat.salt import request_salt
 from kvserve.deliveries import deliveries_restore
 from kvserve.chat.tenant_limits import tenant_admission_enforce
 from kvserve.errors import ApiError
@@ -223,7 +224,8 @@ def chat_request_prefill(request_id: str, prompt_ids: list[int]) -> None:
     claim = _claim_token(req, "prefill_worker", "prefill_deliveries")
     mine = ChatRequest.objects.filter(id=req.id, **claim)
     try:
-        handoff = runtime.prefill(req.id, prompt_ids, sampling_params(req), still_wanted=mine.exists)
+        handoff = runtime.prefill(req.id, prompt_ids, sampling_params(req), still_wanted=mine.exists,
+                                  salt=request_salt(req.tenant, req.params.get("user"), runtime.engine.config.faults))
     except RequestFailed as exc:
         return chat_request_fail(req, code=exc.code, message=exc.message, claim=claim)
     except Exception as exc:
@@ -240,7 +242,7 @@ def chat_request_prefill(request_id: str, prompt_ids: list[int]) -> None:
     if not mine.update(handoff_verdict=handoff.verdict.value, prefill_finished_at=req.prefill_finished_at):
         runtime.transport.discard(req.id)  # ended meanwhile: nobody will decode it
         return
-    chat_metrics_prefilled(req, handoff.verdict.value)
+    chat_metrics_prefilled(req, handoff.verdict.value, handoff.cached_tokens)
     from kvserve.chat.tasks import decode
 
     decode.delay(req.id, prompt_ids, handoff.to_dict())

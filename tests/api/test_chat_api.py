@@ -74,7 +74,8 @@ def test_non_stream_completion_is_openai_shaped(client, chat_env, key):
     assert body["id"] == req.id and body["object"] == "chat.completion" and body["model"] == model_get()["id"]
     assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "The capital is Paris."},
                                 "finish_reason": "stop", "logprobs": None}]
-    assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}
+    assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert isinstance(body["created"], int)
     assert [c[0] for c in chat_env.calls] == [req.id] and req.max_tokens == 16
 

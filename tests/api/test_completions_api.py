@@ -30,7 +30,8 @@ def test_a_text_prompt_is_used_as_given_and_answered_in_the_legacy_shape(client,
     assert body["id"] == req.id and req.id.startswith("cmpl-") and body["object"] == "text_completion"
     assert body["choices"] == [{"index": 0, "text": "The capital is Paris.", "finish_reason": "stop",
                                 "logprobs": None}]
-    assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}
+    assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     ((_, prompt_ids),) = chat_env.calls
     assert prompt_ids == ids("The capital of France is")  # no chat template around it
     assert req.max_tokens == 5 and req.params["endpoint"] == "completions"

@@ -10,7 +10,8 @@ import pytest
 
 from tests.e2e.stack import ROOT, Stack
 
-ALL_CHECKS = ["live_probes", "worker_config", "handoff_contract", "reproduction", "marker", "integrity", "selftest"]
+ALL_CHECKS = ["live_probes", "worker_config", "handoff_contract", "reproduction", "marker", "prefix_scope", "integrity",
+              "selftest"]
 # fault -> (role of the worker it is injected into, the checks that must then fail)
 FAULTS = {
     "no_handoff_check": ("decode", {"handoff_contract", "worker_config"}),
@@ -60,6 +61,9 @@ def test_canary_passes_on_a_healthy_stack(canary_stack):
     assert at["prompt_tokens"] + at["max_tokens"] == marker["limit"] and at["final"] == "done"
     for name in ("canary-b-over-by-prompt", "canary-b-over-by-max-tokens"):
         assert outcome[name]["refusal"]["code"] == "context_length_exceeded" and not outcome[name]["request"]
+    scope = checks["prefix_scope"]["details"]  # A hits its own sentinel prefix, B's identical prompt does not
+    assert not scope["vacuous"] and max(scope["a_cached_tokens"]) > 0 and scope["b_cached_tokens"] == 0
+    assert scope["prefill_audits"] and set(scope["prefill_audits"].values()) == {"ok"}
     repro = checks["reproduction"]["details"]
     assert repro["refusal"]["status"] == 400 and repro["rows"] == [] and repro["queues_before"] == repro["queues_after"]
     assert checks["selftest"]["details"]["observable"]["leak_reproduced"]

@@ -63,7 +63,7 @@ def test_metrics_read_live_state(client, registry, make_worker, tiny_model, djan
         chat_request(tenant, status=status)
     done = _row(tenant, status="done")
     done.created_at = done.prefill_started_at - timedelta(seconds=0.3)
-    chat_metrics_prefilled(done, "OK")
+    chat_metrics_prefilled(done, "OK", cached_tokens=32)
     seq = Sequence(done.id, [1, 2, 3], SamplingParams(max_tokens=4))
     seq.status, seq.finish_reason, seq.transfer_ms = SeqStatus.FINISHED, "length", 4.0
     chat_metrics_decoded(done, seq)
@@ -95,6 +95,7 @@ def test_metrics_read_live_state(client, registry, make_worker, tiny_model, djan
     assert m[("kvserve_pool_pages", (("pool", "decode-1"), ("role", "decode"), ("state", "used")))] == 3
     assert m[("kvserve_pool_pages", (("pool", "decode-1"), ("role", "decode"), ("state", "free")))] == 7
     assert m[("kvserve_pool_pages", (("pool", "prefill-1"), ("role", "prefill"), ("state", "free")))] == 512
+    assert m[("kvserve_pool_prefix_cached_pages", (("pool", "prefill-1"), ("role", "prefill")))] == 0
     assert m[("kvserve_kv_cache_usage_perc", (("model_name", MODEL), ("pool", "decode-1"), ("role", "decode")))] == 0.3
     assert m[("kvserve_worker_capacity_tokens", (("role", "decode"), ("worker", "decode-1")))] == 8192
     assert m[("kvserve_effective_context_limit_tokens", ())] == 8192
@@ -108,6 +109,9 @@ def test_metrics_read_live_state(client, registry, make_worker, tiny_model, djan
     assert b"acme" not in client.get("/metrics").content
     assert m[("kvserve_admission_rejections_total", (("reason", "context_length_exceeded"),))] == 2
     assert m[("kvserve_prompt_tokens_total", (("model_name", MODEL),))] == 40
+    by_tenant = (("model_name", MODEL), ("tenant", str(tenant.id)))  # the tenant's id, never its name
+    assert m[("kvserve_prefix_cache_queries_total", by_tenant)] == 40
+    assert m[("kvserve_prefix_cache_hits_total", by_tenant)] == 32
     assert m[("kvserve_handoff_verdicts_total", (("model_name", MODEL), ("verdict", "OK")))] == 1
     assert m[("kvserve_handoff_verdicts_total", (("model_name", MODEL), ("verdict", "REJECTED")))] == 1
     assert m[("kvserve_decode_verdicts_total", (("model_name", MODEL), ("verdict", "accepted")))] == 1
@@ -272,6 +276,7 @@ def test_a_scrape_costs_a_few_commands_per_pool_whatever_its_size(client, settin
     assert not {"eval", "evalsha", "lrange", "lpos", "zrange"} & calls.keys(), calls  # no script, no page read
     assert calls.get("hgetall") == len(FAMILIES), calls  # one per aggregated family; never a pool's hash
     per_pool = sum(calls.get(c, 0) for c in ("hmget", "llen", "scard", "hlen"))
-    assert per_pool == 4 * 2 + 3, calls  # four counts per pool in one MULTI, and the three broker queues
+    assert per_pool == 5 * 2 + 3, calls  # five counts per pool (the fifth: prefix-cached pages) in one MULTI,
+    # and the three broker queues
     assert calls.get("mget", 0) == 3, calls  # the registry's infos (workers, effective limit), the workers' gauges
     assert sum(calls.values()) <= 70, calls  # and none of them grows with the pool

@@ -13,6 +13,7 @@ from incidents.selectors import canary_latest_get, dashboard_get, incident_open_
 from incidents.services import incident_record, incident_resolve
 from incidents.utilization import MAX_SAMPLES, utilization_history_get, utilization_sample_record
 from inference.ledger import RedisLedger
+from kvserve.chat.salt import request_salt
 from kvserve.tenants.models import Tenant
 from tests.incidents.helpers import chat_request, live_worker
 
@@ -71,7 +72,27 @@ def test_page_map_marks_owners_that_are_not_chat_requests():
     snapshot = {0: "free", 1: {"owner": "canary-sandbox-1", "epoch": 3}, 2: "dirty", 3: "lost"}
     page_map = page_map_get(snapshot, show_names=False)
     assert page_map["cells"] == [FREE, OTHER, DIRTY, -2]
-    assert page_map["legend"] == [{"code": OTHER, "label": "not a chat request", "pages": 1, "num_requests": 1}]
+    assert page_map["legend"] == [{"code": OTHER, "label": "not a chat request", "pages": 1, "cached": 0,
+                                   "num_requests": 1}]
+
+
+def test_page_map_counts_prefix_cached_pages_for_their_tenant(pools, admin_user, staff_user):
+    """A cached page's owner is its scope's cache entry; the map shows it as its tenant's, names for superusers."""
+    acme, a = pools["acme"], pools["a"]
+    prefill = pools["prefill"]
+    grant = prefill.allocate(a.id, 3)
+    prefill.cache(a.id, request_salt(acme, None), grant.pages[:2], grant.epochs[:2])
+    prefill.allocate("narrowed-probe", 1)
+    narrowed = prefill.allocate("narrowed-probe2", 1)
+    prefill.cache("narrowed-probe2", request_salt(acme, "alice"), narrowed.pages, narrowed.epochs)
+    _, maps = pool_state_list(user=admin_user)
+    legend = {e["code"]: e for e in maps["prefill-1"]["legend"]}
+    assert maps["prefill-1"]["cells"][:3] == [acme.pk] * 3
+    assert (legend[acme.pk]["label"], legend[acme.pk]["pages"], legend[acme.pk]["cached"]) == ("acme", 3, 2)
+    assert legend[acme.pk]["num_requests"] == 1  # the cache entry is no request
+    assert legend[OTHER]["cached"] == 1 and legend[OTHER]["pages"] == 2  # user-narrowed scope and a probe
+    _, maps = pool_state_list(user=staff_user)
+    assert "acme" not in json.dumps(maps) and request_salt(acme, None) not in json.dumps(maps)
 
 
 def test_utilization_samples_are_throttled_capped_and_windowed(redis_client, ledger_prefix):

@@ -167,7 +167,8 @@
   // --- page maps --------------------------------------------------------------------------------
   function legendOf(map) {
     var items = [[0, "free"], [-1, "dirty (awaiting scrub)"]].concat(map.legend.map(function (e) {
-      return [e.code, e.label + ": " + fmt(e.pages) + " pages, " + e.num_requests + " request(s)", e.request_ids];
+      return [e.code, e.label + ": " + fmt(e.pages) + " pages" + (e.cached ? " (" + fmt(e.cached) + " prefix-cached)" : "") +
+        ", " + e.num_requests + " request(s)", e.request_ids];
     }));
     return el("div", { "class": "legend" }, items.map(function (it) {
       return el("span", { "class": "legend-item", title: it[2] ? it[2].join("\n") : "" },
