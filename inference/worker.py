@@ -274,6 +274,11 @@ class WorkerRuntime:
         """The loop runs and the pool is registered: what the heartbeat advertises."""
         return not self._dying.is_set() and self._pool_down is None and self._threads[0].is_alive()
 
+    @property
+    def consuming(self) -> bool:
+        """False while quarantined: the worker takes no new request (its direct queue hands them back)."""
+        return self._consuming
+
     # ---- called from task threads ------------------------------------------------------------
     def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams, timeout_s: float = 600,
                 still_wanted=None, salt: str | None = None) -> Handoff:

@@ -50,9 +50,13 @@ def _engine_start(sender=None, **_):
     import django
 
     django.setup()
-    from kvserve.chat.runtime import worker_started
+    from kvserve.chat.runtime import runtime_worker_id, worker_started
+    from kvserve.deliveries import worker_node_note
 
-    worker_started(getattr(sender, "hostname", None) or "")
+    hostname = getattr(sender, "hostname", None) or ""
+    worker_started(hostname)
+    if runtime_worker_id() and hostname:
+        worker_node_note(runtime_worker_id(), hostname)
 
 
 @worker_shutdown.connect

@@ -1,13 +1,17 @@
 """Which broker deliveries each engine worker holds, so that the reaper can put back on their queues the task
 messages a worker received (prefetched or running) when it is gone. Owns the Redis key
-`{KVSERVE_LEDGER_PREFIX}:deliveries:{worker_id}` (a hash: task id -> delivery tag).
+`{KVSERVE_LEDGER_PREFIX}:deliveries:{worker_id}` (a hash: task id -> delivery tag) and
+`{KVSERVE_LEDGER_PREFIX}:nodes` (worker id -> Celery node name, whose direct queue the reaper empties too).
 
 Without it, a message a dead worker had received waits in kombu's `unacked` hash for the whole visibility
 timeout (an hour: it must outlast the longest decode) and its request for the queue timeout. Putting a
 message back is always safe: claims are exclusive and count deliveries (kvserve/celery.py), so a copy
 whose request another delivery holds, or that already ended, does nothing."""
+import base64
+import json
 import logging
 
+from celery.utils.nodenames import worker_direct
 from django.conf import settings
 from kombu import Connection
 
@@ -18,6 +22,15 @@ log = logging.getLogger(__name__)
 
 def deliveries_key(worker_id: str) -> str:
     return f"{settings.KVSERVE_LEDGER_PREFIX}:deliveries:{worker_id}"
+
+
+def nodes_key() -> str:
+    return f"{settings.KVSERVE_LEDGER_PREFIX}:nodes"
+
+
+def worker_node_note(worker_id: str, node: str) -> None:
+    """An engine worker started as Celery node `node` (its direct queue: prefix-affinity prefills, probes)."""
+    redis_client(settings.REDIS_URL).hset(nodes_key(), worker_id, node)
 
 
 def delivery_note(worker_id: str, task_id: str, tag: str) -> None:
@@ -37,20 +50,45 @@ def delivery_done(worker_id: str, task_id: str) -> None:
 
 def deliveries_restore(worker_id: str) -> list[str]:
     """Puts back, at the front of their queues, the messages gone worker `worker_id` received and never
-    acked; forgets the rest. Returns the ids of the tasks put back."""
+    acked, and sends the prefill tasks still waiting in its direct queue to the shared prefill queue; forgets
+    the rest. Returns the ids of the tasks put back or sent on."""
     client = redis_client(settings.REDIS_URL)
     held = {k.decode(): v.decode() for k, v in client.hgetall(deliveries_key(worker_id)).items()}
+    node = client.hget(nodes_key(), worker_id)
     restored = []
-    if held:
+    if held or node:
         with Connection(settings.CELERY_BROKER_URL, transport_options=settings.CELERY_BROKER_TRANSPORT_OPTIONS) as conn:
             channel = conn.default_channel
-            unacked = channel.client  # prefixed like the transport's own keys (global_keyprefix)
+            broker = channel.client  # prefixed like the transport's own keys (global_keyprefix)
             for task_id, tag in held.items():
-                if unacked.hget(channel.unacked_key, tag) is not None:  # HGET: a command kombu prefixes
+                if broker.hget(channel.unacked_key, tag) is not None:  # HGET: a command kombu prefixes
                     channel.qos.restore_by_tag(tag)
                     restored.append(task_id)
-    client.delete(deliveries_key(worker_id))
+            if node:
+                restored += _direct_queue_drain(broker, worker_direct(node.decode()).name, conn.Producer())
+    pipe = client.pipeline()
+    pipe.delete(deliveries_key(worker_id))
+    pipe.hdel(nodes_key(), worker_id)
+    pipe.execute()
     if restored:
         log.warning("put back %d task message(s) gone worker %s had received: %s", len(restored), worker_id,
                     ", ".join(restored))
     return restored
+
+
+def _direct_queue_drain(broker, queue: str, producer) -> list[str]:
+    """Empties a gone worker's direct queue: its prefill tasks go to the shared queue, anything else (canary
+    probes of that worker) is dropped: its canary check fails as unreachable."""
+    from kvserve.chat.services import prefill_task_requeue
+
+    moved = []
+    while (raw := broker.rpop(queue)) is not None:  # oldest first (kombu publishes with LPUSH)
+        message = json.loads(raw)
+        headers = message.get("headers") or {}
+        if headers.get("task") != "inference.prefill":
+            log.warning("dropped %s[%s] from gone worker's queue %s", headers.get("task"), headers.get("id"), queue)
+            continue
+        args, _kwargs, _embed = json.loads(base64.b64decode(message["body"]))
+        prefill_task_requeue(*args, producer=producer)
+        moved.append(headers.get("id"))
+    return moved

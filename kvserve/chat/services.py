@@ -28,6 +28,7 @@ from incidents.services import incident_record
 from kvserve.chat.metrics import (admission_rejection_count_incr, chat_metrics_decoded, chat_metrics_failed,
                                   chat_metrics_prefilled, chat_metrics_refused)
 from kvserve.chat.models import ChatRequest
+from kvserve.chat.routing import prefill_queue_for
 from kvserve.chat.salt import request_salt
 from kvserve.deliveries import deliveries_restore
 from kvserve.chat.tenant_limits import tenant_admission_enforce
@@ -147,7 +148,8 @@ def chat_request_create(*, api_key, messages: list[dict] | None = None, prompt: 
         try:  # the stream's retention is recorded before any worker can publish its final event
             outputs_get().retain(req.id, settings.KVSERVE_STREAM_RETENTION_S if tenant.store_text
                                  else settings.KVSERVE_STREAM_REPLAY_S)
-            prefill.delay(req.id, prompt_ids)
+            queue = prefill_queue_for(tenant, params.get("user"), prompt_ids)  # prefix affinity
+            prefill.apply_async((req.id, prompt_ids), **({"queue": queue} if queue else {}))
         except Exception:  # broker down: the row must not sit queued forever
             chat_request_fail(req, code="backend_unavailable", message="the task queue is unreachable")
             raise
@@ -205,11 +207,21 @@ def _claim_token(req: ChatRequest, worker_field: str, counter: str) -> dict:
     return {"status": req.status, worker_field: getattr(req, worker_field), counter: getattr(req, counter)}
 
 
+def prefill_task_requeue(request_id: str, prompt_ids: list[int], producer=None) -> None:
+    """Sends a request's prefill task to the shared prefill queue (claims are exclusive: a copy is harmless)."""
+    from kvserve.chat.tasks import prefill
+
+    prefill.apply_async((request_id, prompt_ids), queue="prefill", producer=producer)
+
+
 def chat_request_prefill(request_id: str, prompt_ids: list[int]) -> None:
     from inference.worker import RequestFailed
     from kvserve.chat.runtime import runtime_get
 
     runtime = runtime_get()
+    if not runtime.consuming:  # quarantined: a task routed to this worker's direct queue goes to the others
+        log.warning("quarantined: handing prefill of %s back to the shared queue", request_id)
+        return prefill_task_requeue(request_id, prompt_ids)
     live = {w.worker_id for w in registry_get().live_workers(PREFILL)}
     # queued, or prefilling under a delivery whose worker is gone (redelivered after it died)
     orphaned = Q(status=Status.PREFILLING, handoff_verdict="") & ~Q(prefill_worker__in=live | {runtime.worker_id})

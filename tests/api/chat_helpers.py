@@ -40,6 +40,10 @@ class FakeWorker:
         self.events = [{"type": "delta", "text": "The capital "}, {"type": "delta", "text": "is Paris."},
                        {"type": "done", "finish_reason": "stop", "usage": {"prompt_tokens": 7, "completion_tokens": 5}}]
 
+    def apply_async(self, args, queue=None, **_):
+        self.queues = getattr(self, "queues", []) + [queue]
+        return self.delay(*args)
+
     def delay(self, request_id, prompt_ids):
         self.calls.append((request_id, prompt_ids))
         if self.events:

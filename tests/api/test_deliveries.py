@@ -7,7 +7,8 @@ import pytest
 from kombu import Connection, Exchange, Queue
 
 from kvserve.chat.services import requests_reap_orphans
-from kvserve.deliveries import deliveries_key, deliveries_restore, delivery_done, delivery_note
+from kvserve.chat.tasks import prefill
+from kvserve.deliveries import deliveries_key, deliveries_restore, delivery_done, delivery_note, worker_node_note
 from tests.conftest import TEST_REDIS_URL
 from tests.incidents.helpers import live_worker
 
@@ -93,3 +94,24 @@ def test_a_message_already_acked_or_put_back_is_not_restored_again(broker, regis
     message.ack()
     assert deliveries_restore("decode-1") == []
     assert queued(broker, queue) == []
+
+
+def test_the_reaper_sends_a_gone_workers_direct_queue_prefills_to_the_shared_queue(broker, registry, make_worker):
+    live_worker(registry, make_worker, "prefill", worker_id="prefill-2", node="prefill2@host")
+    worker_node_note("prefill-2", "prefill2@host")
+    with broker() as conn:  # routed to it by prefix affinity, never received: it died first
+        producer = conn.Producer()
+        prefill.apply_async(("r-7", [1, 2, 3]), queue="prefill2@host.dq2", producer=producer)
+        prefill.apply_async(("r-8", [4, 5]), queue="prefill2@host.dq2", producer=producer)
+    registry.unregister("prefill-2")
+    requests_reap_orphans()
+    assert len(requests_reap_orphans()["restored_tasks"]["prefill-2"]) == 2
+    shared = Queue("prefill", Exchange("prefill"), routing_key="prefill")
+    with broker() as conn:
+        q = conn.SimpleQueue(shared)
+        got = []
+        for _ in range(2):
+            m = q.get(timeout=2)
+            got.append((m.headers["task"], m.payload[0]))
+            m.ack()
+    assert got == [("inference.prefill", ["r-7", [1, 2, 3]]), ("inference.prefill", ["r-8", [4, 5]])]

@@ -29,3 +29,31 @@ def test_no_key_or_no_worker_means_any_worker():
     assert prefix_route_key("s" * 64, list(range(15)), 16) is None
     assert prefill_worker_for(None, WORKERS) is None
     assert prefill_worker_for(prefix_route_key("s" * 64, list(range(16)), 16), []) is None
+
+
+# ---- the web side: which queue a request's prefill goes to (real Redis registry) -------------------------
+
+import pytest  # noqa: E402
+
+from kvserve.chat.routing import prefill_queue_for  # noqa: E402
+from kvserve.tenants.models import Tenant  # noqa: E402
+
+
+@pytest.mark.django_db
+@pytest.mark.usefixtures("registry_settings")
+def test_a_prompt_goes_to_its_prefix_workers_direct_queue_never_a_quarantined_one(registry, make_worker):
+    tenant = Tenant.objects.create(name="acme")
+    prompt = list(range(40))
+    assert prefill_queue_for(tenant, None, prompt) is None  # no worker
+    for i in range(3):
+        registry.register(make_worker("prefill", worker_id=f"prefill-{i}", node=f"prefill{i}@host"))
+    queue = prefill_queue_for(tenant, None, prompt)
+    assert queue in {f"prefill{i}@host.dq2" for i in range(3)}
+    assert prefill_queue_for(tenant, None, prompt[:16] + [7] * 10) == queue  # same scope and first page
+    assert prefill_queue_for(tenant, None, prompt[:15]) is None  # shorter than a page: nothing to meet
+    chosen = next(f"prefill-{i}" for i in range(3) if queue.startswith(f"prefill{i}@"))
+    registry.quarantine(chosen, "test")
+    assert prefill_queue_for(tenant, None, prompt) not in (queue, None)
+    others = [f"prefill-{i}" for i in range(3) if f"prefill-{i}" != chosen]
+    registry.quarantine(others[0], "test")
+    assert prefill_queue_for(tenant, None, prompt) is None  # one left: the shared queue reaches it
