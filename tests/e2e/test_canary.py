@@ -122,7 +122,7 @@ def test_each_fault_on_a_live_worker_fails_its_check_and_quarantines_it(canary_s
         assert ("config_unsafe", worker, "critical", 1, "canary worker_config") in incidents
         if "handoff_contract" in failing:
             cases = checks["handoff_contract"]["details"]["workers"][worker]["cases"]
-            assert {c for c, r in cases.items() if not r["ok"]} == {"rejected", "truncated", "bad_signature"}
+            assert {c for c, r in cases.items() if not r["ok"]} == {"rejected", "truncated", "bad_signature", "wrong_request"}
             assert ("handoff_mismatch", worker, "critical", 1, "canary handoff_contract") in incidents
         assert registry.is_quarantined(worker)
     # the healthy workers pass every check and stay in service
