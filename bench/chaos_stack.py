@@ -78,16 +78,18 @@ def parse_time(value: str | None) -> float | None:
 
 
 def pool_report(client, prefix: str, pool_id: str) -> dict:
-    """A pool's pages owned (and by whom) / dirty / in no state (RedisLedger.snapshot), and its
-    check_integrity verdict."""
+    """A pool's pages owned (and by whom) / dirty / in no state / prefix-cached and unread
+    (RedisLedger.snapshot), and its check_integrity verdict."""
     try:
         ledger = RedisLedger(client, pool_id, prefix=prefix)
         states = list(ledger.snapshot().values())
     except LedgerError as exc:  # the pool is gone (unregistered, or Redis lost it)
-        return {"owned": 0, "dirty": 0, "lost": 0, "owners": {}, "integrity": str(exc)}
-    owners = Counter(s["owner"] for s in states if isinstance(s, dict))
+        return {"owned": 0, "dirty": 0, "lost": 0, "cached": 0, "owners": {}, "integrity": str(exc)}
+    # a prefix-cached page nobody reads is held by its cache entry, not stranded; one with readers is
+    cached = [s for s in states if isinstance(s, dict) and "scope" in s and not s["readers"]]
+    owners = Counter(s["owner"] for s in states if isinstance(s, dict) and s not in cached)
     report = {"owned": sum(owners.values()), "dirty": states.count("dirty"), "lost": states.count("lost"),
-              "owners": dict(sorted(owners.items())), "integrity": "ok"}
+              "cached": len(cached), "owners": dict(sorted(owners.items())), "integrity": "ok"}
     try:
         ledger.check_integrity()
     except Exception as exc:
