@@ -209,9 +209,14 @@ def _claim_token(req: ChatRequest, worker_field: str, counter: str) -> dict:
 
 def prefill_task_requeue(request_id: str, prompt_ids: list[int], producer=None) -> None:
     """Sends a request's prefill task to the shared prefill queue (claims are exclusive: a copy is harmless)."""
+    from kombu import Connection
+
     from kvserve.chat.tasks import prefill
 
-    prefill.apply_async((request_id, prompt_ids), queue="prefill", producer=producer)
+    if producer is not None:
+        return prefill.apply_async((request_id, prompt_ids), queue="prefill", producer=producer)
+    with Connection(settings.CELERY_BROKER_URL, transport_options=settings.CELERY_BROKER_TRANSPORT_OPTIONS) as conn:
+        prefill.apply_async((request_id, prompt_ids), queue="prefill", producer=conn.Producer())
 
 
 def chat_request_prefill(request_id: str, prompt_ids: list[int]) -> None:

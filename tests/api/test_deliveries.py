@@ -1,4 +1,5 @@
-"""Task messages a gone worker had received go back on their queue, through the reaper: real kombu over the
+"""Task messages a gone worker had received go back on their queue, through the reaper, and a quarantined worker
+hands a routed prefill back to the shared queue: real kombu over the
 test Redis (its own broker key prefix), the real database. A consumer that never acks stands for the worker
 SIGKILLed with messages prefetched (a graceful close would restore them itself)."""
 import uuid
@@ -115,3 +116,33 @@ def test_the_reaper_sends_a_gone_workers_direct_queue_prefills_to_the_shared_que
             got.append((m.headers["task"], m.payload[0]))
             m.ack()
     assert got == [("inference.prefill", ["r-7", [1, 2, 3]]), ("inference.prefill", ["r-8", [4, 5]])]
+
+
+def test_a_quarantined_prefill_worker_hands_a_routed_task_back_to_the_shared_queue(broker, registry_redis,
+                                                                                    registry_prefix, tiny_model,
+                                                                                    monkeypatch):
+    from inference.engine import EngineConfig
+    from inference.worker import RuntimeOptions, WorkerRuntime
+    from kvserve.chat import runtime as runtime_module
+    from kvserve.chat.models import ChatRequest
+    from kvserve.chat.services import chat_request_prefill
+    from kvserve.tenants.models import Tenant
+    from tests.incidents.helpers import chat_request
+
+    runtime = WorkerRuntime("prefill", registry_redis, b"k" * 32, model=tiny_model,
+                            options=RuntimeOptions(prefix=registry_prefix), config=EngineConfig(num_pages=64, window=1024))
+    try:
+        monkeypatch.setitem(runtime_module._runtime, "current", runtime)
+        runtime.registry.quarantine(runtime.worker_id, "test")
+        runtime.beat()  # the heartbeat learns it: the worker stops taking requests
+        assert not runtime.consuming
+        req = chat_request(Tenant.objects.create(name="acme"), status="queued", prompt_tokens=20, max_tokens=4)
+        chat_request_prefill(req.id, list(range(20)))  # as if routed to its direct queue before the quarantine
+        assert ChatRequest.objects.get(id=req.id).status == "queued"  # not served here
+        assert runtime.engine.block_manager.num_free() == 64  # nothing taken
+        with broker() as conn:
+            m = conn.SimpleQueue(Queue("prefill", Exchange("prefill"), routing_key="prefill")).get(timeout=2)
+            assert (m.headers["task"], m.payload[0]) == ("inference.prefill", [req.id, list(range(20))])
+            m.ack()
+    finally:
+        runtime.stop()
