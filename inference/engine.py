@@ -37,6 +37,18 @@ class StepEvent:
     logprobs: tuple | None = None  # (logprob, ((id, logprob), ...)) of `token`, when its request asked
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """Counters (monotonic) and load of one engine at one moment."""
+
+    scrubbed_pages: int
+    guard_checks: int
+    num_preemptions: int
+    running: int
+    waiting: int
+    pages: dict[str, int]  # request id -> pages held
+
+
 @dataclass
 class EngineConfig:
     num_pages: int = 1024
@@ -290,6 +302,14 @@ class Engine:
         if self.scrub_policy != "on_free":
             self.pool.data.zero_()
         return failed
+
+    def stats(self) -> "EngineStats":
+        """A snapshot of the engine's counters and load, for its worker's metrics (read off the loop thread)."""
+        seqs = list(self.seqs.values())
+        return EngineStats(scrubbed_pages=self.pool.num_scrubbed, guard_checks=self.block_manager.num_guard_checks,
+                           num_preemptions=self.scheduler.num_preemptions, running=len(self.scheduler.active),
+                           waiting=len(self.scheduler.waiting),
+                           pages={s.request_id: len(s.block_table) for s in seqs if s.block_table})
 
     # ---- stepping --------------------------------------------------------------------------
     @property

@@ -262,12 +262,11 @@ class WorkerMetrics:
 
     def flush(self, engine, waiting: int = 0) -> None:
         """Sends what was noted since the last flush, the engine's counters and this worker's gauges."""
-        counts = {"scrubbed_pages": engine.pool.num_scrubbed, "guard_checks": engine.block_manager.num_guard_checks,
-                  "num_preemptions": engine.scheduler.num_preemptions}
-        seqs = list(engine.seqs.values())
-        gauges = {"role": self.role, "model_name": self.model_name,
-                  "running": len(engine.scheduler.active), "waiting": len(engine.scheduler.waiting) + waiting,
-                  "pages": {s.request_id: len(s.block_table) for s in seqs if s.block_table}}
+        stats = engine.stats()
+        counts = {"scrubbed_pages": stats.scrubbed_pages, "guard_checks": stats.guard_checks,
+                  "num_preemptions": stats.num_preemptions}
+        gauges = {"role": self.role, "model_name": self.model_name, "running": stats.running,
+                  "waiting": stats.waiting + waiting, "pages": stats.pages}
         with self._lock:
             batch, self._batch = self._batch, Batch()
             for name, total in counts.items():
