@@ -116,7 +116,7 @@ def _ledger_state(stack) -> dict:
 def test_overlong_request_is_refused_before_anything_happens(stack, client, model_id, real_model, case):
     client.models.list()  # the throttle's counter exists before the snapshot
     before = _ledger_state(stack)
-    assert len(before["pools"]) == 2 and all(free == total for free, total in before["free"].values())
+    assert len(before["pools"]) == 2  # (the prefill pool may keep earlier prompts' pages: its prefix cache)
     limit = 8192
     if case == "max_tokens":
         messages, max_tokens = QUESTION, 8192
@@ -130,7 +130,7 @@ def test_overlong_request_is_refused_before_anything_happens(stack, client, mode
         assert str(number) in error["message"], (number, error["message"])
     time.sleep(0.5)  # anything queued would have been picked up by now
     after = _ledger_state(stack)
-    assert all(free == total for free, total in after["free"].values()), after["free"]  # nothing reserved
+    assert after["free"] == before["free"]  # nothing reserved
     assert after["keys"] == before["keys"]  # no ledger/stream/queue key written
     assert after["broker"] == before["broker"]  # nothing queued
     assert after["rows"] == before["rows"]  # no ChatRequest row
