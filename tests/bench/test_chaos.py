@@ -83,11 +83,22 @@ def test_a_request_ran_once_when_its_stream_has_one_final_event_and_carries_what
 def test_pool_report_counts_owned_and_dirty_pages_and_names_a_missing_pool(redis_client, ledger_prefix):
     ledger = RedisLedger.register(redis_client, "decode-x-1-ab", "decode", 8, 16, prefix=ledger_prefix, lease_ttl_s=4)
     assert pool_report(redis_client, ledger_prefix, "decode-x-1-ab") == {"owned": 0, "dirty": 0, "lost": 0,
-                                                                        "owners": {}, "integrity": "ok"}
+                                                                        "cached": 0, "owners": {}, "integrity": "ok"}
     ledger.allocate("chatcmpl-a", 3)
     ledger.allocate("chatcmpl-b", 2)
     report = pool_report(redis_client, ledger_prefix, "decode-x-1-ab")
     assert report["owned"] == 5 and report["owners"] == {"chatcmpl-a": 3, "chatcmpl-b": 2}
+    # a prefix-cached page nobody reads is kept by its cache entry, not stranded; a read one is held
+    salt = "s" * 64
+    c = ledger.allocate("chatcmpl-c", 2)
+    ledger.cache("chatcmpl-c", salt, c.pages, c.epochs)
+    report = pool_report(redis_client, ledger_prefix, "decode-x-1-ab")
+    assert (report["owned"], report["cached"]) == (5, 2)
+    assert ledger.hit("chatcmpl-d", salt, c.pages[:1], c.epochs[:1])
+    report = pool_report(redis_client, ledger_prefix, "decode-x-1-ab")
+    assert (report["owned"], report["cached"]) == (6, 1)
+    ledger.unread("chatcmpl-d")
+    ledger.evict(salt, c.pages, c.epochs)
     ledger.reap_expired(now_ms=int(redis_client.time()[0] * 1000) + 60_000)  # both leases run out
     report = pool_report(redis_client, ledger_prefix, "decode-x-1-ab")
     assert (report["owned"], report["dirty"], report["integrity"]) == (0, 5, "ok")

@@ -102,7 +102,7 @@ def test_200_mb_chunked_is_read_only_up_to_the_limit(stack):
 def test_announced_10_gb_with_a_few_bytes_sent_is_answered_at_once(stack):
     reply = exchange(stack.url, request_head({"Content-Length": 10 * 2**30}), [b'{"mes'], timeout_s=30)
     assert_refused_413(reply)
-    assert reply["sent"] == 5  # answered while the body was still 10 GB short, and the socket closed
+    assert reply["sent"] <= 5  # answered from the header (before or after the 5 bytes), and the socket closed
 
 
 @pytest.mark.timeout(120)
