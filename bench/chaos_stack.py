@@ -34,7 +34,7 @@ HOST_OF = {"web": "web", "beat": "web", **{name: name for name in WORKERS}}
 ENV = {
     "KVSERVE_NUM_PAGES": "160", "KVSERVE_WINDOW": "2048",  # 2560-token pools: small, still >= the window
     "KVSERVE_LEASE_TTL_S": str(LEASE_TTL_S), "KVSERVE_REGISTRY_TTL_S": str(REGISTRY_TTL_S),
-    "KVSERVE_SSE_KEEPALIVE_S": "2",
+    "KVSERVE_SSE_KEEPALIVE_S": "2", "KVSERVE_REQUEUE_AFTER_S": "15",  # scaled like the TTLs (default 60 s)
     "OMP_NUM_THREADS": "1",  # three engines share this machine's cores
 }
 FINAL = ("done", "failed", "rejected")

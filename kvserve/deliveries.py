@@ -1,7 +1,10 @@
 """Which broker deliveries each engine worker holds, so that the reaper can put back on their queues the task
 messages a worker received (prefetched or running) when it is gone. Owns the Redis key
 `{KVSERVE_LEDGER_PREFIX}:deliveries:{worker_id}` (a hash: task id -> delivery tag) and
-`{KVSERVE_LEDGER_PREFIX}:nodes` (worker id -> Celery node name, whose direct queue the reaper empties too).
+`{KVSERVE_LEDGER_PREFIX}:nodes` (worker id -> Celery node name, whose direct queue the reaper empties too) and
+`{KVSERVE_LEDGER_PREFIX}:queued:{request_id}` (a queued request's prefill arguments until a worker claims it:
+a message Redis handed to a worker's pending BRPOP just as the worker died is in no queue and no `unacked`
+hash, so the reaper sends such a request once more after KVSERVE_REQUEUE_AFTER_S).
 
 Without it, a message a dead worker had received waits in kombu's `unacked` hash for the whole visibility
 timeout (an hour: it must outlast the longest decode) and its request for the queue timeout. Putting a
@@ -26,6 +29,33 @@ def deliveries_key(worker_id: str) -> str:
 
 def nodes_key() -> str:
     return f"{settings.KVSERVE_LEDGER_PREFIX}:nodes"
+
+
+def queued_key(request_id: str) -> str:
+    return f"{settings.KVSERVE_LEDGER_PREFIX}:queued:{request_id}"
+
+
+def queued_note(request_id: str, prompt_ids: list[int]) -> None:
+    """The web queued this request's prefill (kept until claimed, at most the queue timeout)."""
+    redis_client(settings.REDIS_URL).set(queued_key(request_id), json.dumps(prompt_ids),
+                                         ex=settings.KVSERVE_QUEUE_TIMEOUT_S)
+
+
+def queued_done(request_id: str) -> None:
+    """A worker claimed the request: nothing to send again."""
+    redis_client(settings.REDIS_URL).delete(queued_key(request_id))
+
+
+def queued_requeue(request_id: str) -> bool:
+    """Sends a still-unclaimed request's prefill once more (claims are exclusive: a copy of a message still
+    queued is harmless). Once per request: True when it was sent."""
+    from kvserve.chat.services import prefill_task_requeue
+
+    raw = redis_client(settings.REDIS_URL).getdel(queued_key(request_id))
+    if raw is None:
+        return False
+    prefill_task_requeue(request_id, json.loads(raw))
+    return True
 
 
 def worker_node_note(worker_id: str, node: str) -> None:

@@ -30,7 +30,7 @@ from kvserve.chat.metrics import (admission_rejection_count_incr, chat_metrics_d
 from kvserve.chat.models import ChatRequest
 from kvserve.chat.routing import prefill_queue_for
 from kvserve.chat.salt import request_salt
-from kvserve.deliveries import deliveries_restore
+from kvserve.deliveries import deliveries_restore, queued_done, queued_note, queued_requeue
 from kvserve.chat.tenant_limits import tenant_admission_enforce
 from kvserve.errors import ApiError
 from kvserve.tenants.models import Tenant
@@ -148,6 +148,7 @@ def chat_request_create(*, api_key, messages: list[dict] | None = None, prompt: 
         try:  # the stream's retention is recorded before any worker can publish its final event
             outputs_get().retain(req.id, settings.KVSERVE_STREAM_RETENTION_S if tenant.store_text
                                  else settings.KVSERVE_STREAM_REPLAY_S)
+            queued_note(req.id, prompt_ids)  # sent again by the reaper if no worker ever claims it
             queue = prefill_queue_for(tenant, params.get("user"), prompt_ids)  # prefix affinity
             prefill.apply_async((req.id, prompt_ids), **({"queue": queue} if queue else {}))
         except Exception:  # broker down: the row must not sit queued forever
@@ -235,6 +236,7 @@ def chat_request_prefill(request_id: str, prompt_ids: list[int]) -> None:
     if req is None:
         log.info("prefill of %s not claimed: already ended, past prefill, or held by a live delivery", request_id)
         return
+    queued_done(req.id)
     if req.prefill_deliveries > settings.KVSERVE_TASK_MAX_DELIVERIES:
         return chat_request_fail(req, code="redelivery_limit",
                                  message=f"prefill was attempted {req.prefill_deliveries - 1} times without finishing")
@@ -387,15 +389,19 @@ def requests_reap_orphans() -> dict:
     holders = {row.id: _holder(row) for row in rows}
     silence = registry.silence(live | set(pools) | {w for w in holders.values() if w})
     gone = {w for w, rounds in silence.items() if w not in live and rounds >= WORKER_LOST_ROUNDS}
-    failed, timed_out = [], []
+    failed, timed_out, requeued = [], [], []
     restored = {w: ids for w in sorted(gone) if (ids := deliveries_restore(w))}
     waited_since = timezone.now() - timedelta(seconds=settings.KVSERVE_QUEUE_TIMEOUT_S)
+    unclaimed_since = timezone.now() - timedelta(seconds=settings.KVSERVE_REQUEUE_AFTER_S)
     for row in rows:
         worker = holders[row.id]
         if worker in gone:
             if chat_request_fail(row, code="worker_lost", message=f"{row.status} worker {worker} stopped "
                                  f"responding; the request did not complete"):
                 failed.append(row.id)
+        elif (row.status == Status.QUEUED and not row.prefill_deliveries and row.created_at < unclaimed_since
+              and row.created_at >= waited_since and queued_requeue(row.id)):
+            requeued.append(row.id)
         elif worker is None and (row.prefill_finished_at or row.created_at) < waited_since:
             if chat_request_fail(row, code="queue_timeout", message=f"no worker took the request within "
                                  f"{settings.KVSERVE_QUEUE_TIMEOUT_S}s (its task was lost or the queue is stuck)"):
@@ -406,7 +412,8 @@ def requests_reap_orphans() -> dict:
         if pool_id not in live and silence.get(pool_id, 0) >= POOL_RETIRE_ROUNDS:
             entry.update(_retire(registry, redis_client, prefix, pool_id))
         report.append(entry)
-    return {"failed_requests": failed, "timed_out_requests": timed_out, "restored_tasks": restored, "pools": report}
+    return {"failed_requests": failed, "timed_out_requests": timed_out, "restored_tasks": restored,
+            "requeued_requests": requeued, "pools": report}
 
 
 def _holder(row: ChatRequest) -> str | None:

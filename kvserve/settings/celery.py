@@ -39,6 +39,9 @@ KVSERVE_TASK_MAX_DELIVERIES = env_int("KVSERVE_TASK_MAX_DELIVERIES", 3)
 # `queue_timeout` by the reaper: its task message was lost (Redis restarted, the web process died before
 # queueing it) or nothing consumes the queue.
 KVSERVE_QUEUE_TIMEOUT_S = env_int("KVSERVE_QUEUE_TIMEOUT_S", 600)
+# A request still queued and never claimed this long is sent once more by the reaper (kvserve/deliveries.py):
+# its message may have been handed to a worker that died before recording it.
+KVSERVE_REQUEUE_AFTER_S = env_int("KVSERVE_REQUEUE_AFTER_S", 60)
 # How often beat runs the reaper (`manage.py setup_schedules` creates the schedule with this interval).
 KVSERVE_REAPER_INTERVAL_S = env_int("KVSERVE_REAPER_INTERVAL_S", 30)
 

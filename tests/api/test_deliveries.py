@@ -146,3 +146,31 @@ def test_a_quarantined_prefill_worker_hands_a_routed_task_back_to_the_shared_que
             m.ack()
     finally:
         runtime.stop()
+
+
+def test_a_queued_request_no_worker_ever_claimed_is_sent_once_more(broker, settings):
+    """Its message went to a worker's pending BRPOP as the worker died: in no queue, in no `unacked` hash."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from kvserve.chat.models import ChatRequest
+    from kvserve.deliveries import queued_note
+    from kvserve.tenants.models import Tenant
+    from tests.incidents.helpers import chat_request
+
+    settings.KVSERVE_REQUEUE_AFTER_S = 30
+    tenant = Tenant.objects.create(name="acme")
+    lost, fresh = (chat_request(tenant, status="queued", prompt_tokens=3, max_tokens=4) for _ in range(2))
+    for req in (lost, fresh):
+        queued_note(req.id, [1, 2, 3])
+    ChatRequest.objects.filter(id=lost.id).update(created_at=timezone.now() - timedelta(seconds=45))
+    assert requests_reap_orphans()["requeued_requests"] == [lost.id]
+    assert requests_reap_orphans()["requeued_requests"] == []  # once
+    with broker() as conn:
+        q = conn.SimpleQueue(Queue("prefill", Exchange("prefill"), routing_key="prefill"))
+        m = q.get(timeout=2)
+        assert (m.headers["task"], m.payload[0]) == ("inference.prefill", [lost.id, [1, 2, 3]])
+        m.ack()
+        with pytest.raises(q.Empty):
+            q.get(timeout=0.5)
