@@ -3,20 +3,7 @@
 (`choices[].logprobs.content[]` of {token, logprob, bytes, top_logprobs}) or the legacy completions shape
 (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`). The end-of-sequence token is not part of the
 text, so it is not listed."""
-from functools import lru_cache
-
-
-@lru_cache(maxsize=1)
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, character -> byte (the inverse of the table byte-level BPE vocabularies use)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+from inference.tokenizer import BYTE_OF_SYMBOL
 
 
 class TokenText:
@@ -31,7 +18,7 @@ class TokenText:
         """A token's own bytes (a byte-level token may be part of a UTF-8 character); a special token's name."""
         if token_id not in self._bytes:
             piece = self.tk.id_to_token(int(token_id)) or ""
-            table = _byte_decoder()
+            table = BYTE_OF_SYMBOL  # GPT-2's byte-level alphabet: symbol -> byte
             if piece and all(ch in table for ch in piece) and self.tk.token_to_id(piece) == token_id \
                     and not self.tk.get_added_tokens_decoder().get(token_id):
                 raw = bytes(table[ch] for ch in piece)

@@ -72,7 +72,10 @@ def test_chat_logprobs_match_the_models_log_softmax(client, real_model, referenc
     chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, logprobs=True,
                                                  top_logprobs=5, stream=True, stream_options={"include_usage": True}))
     streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
-    assert [(c.token, round(c.logprob, 5)) for c in streamed] == [(c.token, round(c.logprob, 5)) for c in content]
+    # (the second request reads the first one's prompt pages from the prefix cache: the same tokens, logprobs
+    # equal up to float rounding of a differently chunked prefill)
+    assert [c.token for c in streamed] == [c.token for c in content]
+    assert all(abs(a.logprob - b.logprob) <= TOL for a, b in zip(streamed, content))
     assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
 
 
