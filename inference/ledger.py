@@ -143,6 +143,24 @@ local function state_of(page)
   if redis.call('LPOS', free, page) then return 'it is free' end
   return 'it is not a page of this pool (0..' .. (redis.call('HGET', meta, 'num_pages') - 1) .. ')'
 end
+-- The error for the first of the k pages ARGV[base+1..] at epochs ARGV[base+k+1..] that `owner` does not
+-- hold at that epoch, lists twice, or that is cached; nil when it holds them all (`verb`: free, cache).
+local function refuse_unheld(owner, k, base, verb, cached_msg)
+  local seen = {}
+  for i = 1, k do
+    local page, e = ARGV[base + i], ARGV[base + k + i]
+    if seen[page] then return fail('LEDGER', 'page ' .. page .. ' is listed twice; ' .. verb .. ' each page once') end
+    seen[page] = true
+    if redis.call('HGET', page_owner, page) ~= owner or redis.call('HGET', page_epoch, page) ~= e then
+      return fail('LEDGER', owner .. ' cannot ' .. verb .. ' page ' .. page .. ' at epoch ' .. e .. ': ' .. state_of(page))
+    end
+    if redis.call('HEXISTS', scope, page) == 1 then
+      return fail('LEDGER', owner .. ' cannot ' .. verb .. ' page ' .. page .. ': ' .. cached_msg)
+    end
+  end
+  return nil
+end
+
 local function misfiled(owner, page)
   return fail('INTEGRITY', owner .. ' lists page ' .. page .. ' but ' .. state_of(page)
     .. '; run check_integrity')
@@ -268,18 +286,8 @@ return out
 local owner, k = ARGV[3], tonumber(ARGV[4])
 local okey = owner_prefix .. owner
 if not registered() then return unregistered() end
-local seen = {}
-for i = 1, k do
-  local page, e = ARGV[4 + i], ARGV[4 + k + i]
-  if seen[page] then return fail('LEDGER', 'page ' .. page .. ' is listed twice; free each page once') end
-  seen[page] = true
-  if redis.call('HGET', page_owner, page) ~= owner or redis.call('HGET', page_epoch, page) ~= e then
-    return fail('LEDGER', owner .. ' cannot free page ' .. page .. ' at epoch ' .. e .. ': ' .. state_of(page))
-  end
-  if redis.call('HEXISTS', scope, page) == 1 then
-    return fail('LEDGER', owner .. ' cannot free page ' .. page .. ': it is cached; evict it instead')
-  end
-end
+local refused = refuse_unheld(owner, k, 4, 'free', 'it is cached; evict it instead')
+if refused then return refused end
 for i = 1, k do
   local page = ARGV[4 + i]
   redis.call('HDEL', page_owner, page)
@@ -446,18 +454,8 @@ for _, page in ipairs(redis.call('SMEMBERS', ekey)) do
     return fail('INTEGRITY', 'cache entry ' .. entry .. ' holds page ' .. page .. ' of another scope')
   end
 end
-local seen = {}
-for i = 1, k do
-  local page, e = ARGV[7 + i], ARGV[7 + k + i]
-  if seen[page] then return fail('LEDGER', 'page ' .. page .. ' is listed twice; cache each page once') end
-  seen[page] = true
-  if redis.call('HGET', page_owner, page) ~= owner or redis.call('HGET', page_epoch, page) ~= e then
-    return fail('LEDGER', owner .. ' cannot cache page ' .. page .. ' at epoch ' .. e .. ': ' .. state_of(page))
-  end
-  if redis.call('HEXISTS', scope, page) == 1 then
-    return fail('LEDGER', owner .. ' cannot cache page ' .. page .. ': it is cached already')
-  end
-end
+local refused = refuse_unheld(owner, k, 7, 'cache', 'it is cached already')
+if refused then return refused end
 for i = 1, k do
   local page = ARGV[7 + i]
   redis.call('HSET', page_owner, page, entry)
