@@ -94,6 +94,7 @@ class Scheduler:
     def schedule(self) -> list[ScheduledChunk]:
         self.preempted = []
         stalled = self._grow()
+        self._preempt_for_waiting()
         decodes = [ScheduledChunk(seq, 1) for seq in self.active
                    if seq.status is SeqStatus.RUNNING and seq not in stalled]
         return decodes + self._prefill_chunks()
@@ -170,6 +171,47 @@ class Scheduler:
             if self.block_manager.can_append(grows):
                 return {s for s, _ in grows}
             self.preempt(self.victim())
+
+    def _preempt_for_waiting(self) -> None:
+        """Work-conserving shares: a tenant alone may fill every slot and page, so when another tenant's head
+        waits for a slot, or did not fit the pages last step, while its tenant is under its share and another
+        tenant is over its own (the slots and the pool split evenly between the tenants running or waiting),
+        that tenant's newest sequences are preempted until the head is admitted."""
+        held = self.pages_held_by_tenant()
+        if self.blocked is not None and self.blocked in self.waiting:
+            head = self.blocked
+        elif self.waiting and len(self.active) >= self.max_num_seqs:
+            head = self._head(held)
+        else:
+            return
+        while True:
+            if len(self.active) < self.max_num_seqs and self.admit(head):
+                break
+            victim = self._over_share_victim(head)
+            if victim is None:
+                return
+            self.preempt(victim)
+        self.waiting.pop(head)
+        self.blocked = None
+        head.status = SeqStatus.PREFILLING
+        self.active.append(head)
+
+    def _over_share_victim(self, head: Sequence) -> Sequence | None:
+        """The newest sequence of the tenant most over its share of what `head` waits for (a slot, or pages),
+        or None when `head`'s tenant would pass its own share or no other tenant is over its."""
+        tenants = {s.tenant for s in self.active} | set(self.waiting.tenants())
+        if len(self.active) >= self.max_num_seqs:
+            usage, share, need = Counter(s.tenant for s in self.active), self.max_num_seqs / len(tenants), 1
+        else:
+            usage, share = self.pages_held_by_tenant(), self.block_manager.pool.num_pages / len(tenants)
+            need = self.pages_to_admit(head, head.num_tokens)
+        if usage[head.tenant] + need > share:
+            return None
+        over = [t for t in usage if t != head.tenant and usage[t] > share]
+        if not over:
+            return None
+        tenant = max(over, key=usage.__getitem__)
+        return next(s for s in reversed(self.active) if s.tenant == tenant)
 
     def victim(self) -> Sequence:
         """The sequence a shortage preempts: the most recently admitted of the tenant holding the most pages

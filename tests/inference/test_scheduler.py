@@ -297,3 +297,34 @@ def test_a_shortage_preempts_the_newest_sequence_of_the_tenant_holding_the_most_
     s.schedule()
     assert [q.request_id for q in s.preempted] == ["a2"]  # not b1: A is the most over its share
     assert s.block_manager.num_free() == 0 and all(len(q.block_table) == 3 for q in s.active)
+
+
+def test_a_tenant_alone_fills_the_pool_and_is_preempted_for_another_tenants_head_under_its_share():
+    s = bare_scheduler(num_pages=12)  # pages of 4 tokens
+    for i in range(6):
+        s.add(tenant_seq(f"a{i}", "A", n_prompt=8, max_tokens=8))  # 2 pages each: the whole pool
+    assert admitted(s) == [f"a{i}" for i in range(6)] and s.block_manager.num_free() == 0  # alone: all of it
+    b = tenant_seq("b0", "B", n_prompt=8, max_tokens=8)
+    s.add(b)
+    s.schedule()  # does not fit: B's head waits this step
+    assert b.status is SeqStatus.WAITING and s.blocked is b
+    s.schedule()  # B is under its share (6 pages of 12), A over it: A's newest makes room
+    assert [q.request_id for q in s.preempted] == ["a5"] and b.status is SeqStatus.PREFILLING
+    assert s.waiting.peek().request_id == "a5"  # recomputed later, first of A's
+
+
+def test_a_tenant_alone_fills_every_slot_and_gives_one_up_to_another_tenant():
+    s = bare_scheduler(max_num_seqs=4)
+    for i in range(5):
+        s.add(tenant_seq(f"a{i}", "A"))
+    assert admitted(s) == ["a0", "a1", "a2", "a3"]
+    assert admitted(s) == []  # alone: a4 waits for a slot, nothing is preempted for A's own
+    s.add(tenant_seq("b0", "B"))
+    s.schedule()
+    assert [q.request_id for q in s.preempted] == ["a3"] and [q.request_id for q in s.active][-1] == "b0"
+    s.add(tenant_seq("b1", "B"))
+    s.schedule()  # B holds 1 of 4 slots, A 3: one more for B (2 each)
+    assert [q.request_id for q in s.preempted] == ["a2"]
+    s.add(tenant_seq("b2", "B"))
+    s.schedule()  # B at its share of 2 slots: no more preemption for it
+    assert s.preempted == [] and sorted(q.tenant for q in s.active) == ["A", "A", "B", "B"]
