@@ -328,3 +328,15 @@ def test_a_tenant_alone_fills_every_slot_and_gives_one_up_to_another_tenant():
     s.add(tenant_seq("b2", "B"))
     s.schedule()  # B at its share of 2 slots: no more preemption for it
     assert s.preempted == [] and sorted(q.tenant for q in s.active) == ["A", "A", "B", "B"]
+
+
+def test_no_preemption_for_a_head_that_would_take_its_tenant_over_its_share():
+    s = bare_scheduler(num_pages=12)
+    for i in range(6):
+        s.add(tenant_seq(f"a{i}", "A", n_prompt=8, max_tokens=8))
+    admitted(s)
+    big = tenant_seq("big", "B", n_prompt=32, max_tokens=4)  # 8 pages: more than B's share of 6
+    s.add(big)
+    for _ in range(3):
+        s.schedule()
+        assert s.preempted == [] and big.status is SeqStatus.WAITING  # it waits for pages A frees
