@@ -10,9 +10,10 @@ scrubbed like a finished sequence's, and it goes back to the front of its tenant
 (prefill of its prompt and the tokens it had generated). A request whose prompt + max_tokens can never fit
 the pool is refused before any page is taken, so a sequence alone always fits.
 
-Fair across tenants, work-conserving: new requests are picked round-robin across tenants (inference.fair_queue),
-FIFO within a tenant, and a step's prefill budget goes to the tenant holding the fewest pages first, so a
-tenant alone uses every slot and page and another one's request is not queued behind its prompts. A head
+Fair across tenants, work-conserving: a waiting request is picked from the tenant holding the fewest pages
+(round-robin between equals, inference.fair_queue; FIFO within a tenant), a step's prefill budget goes to
+that tenant first, and a tenant under its share of slots or pages preempts one over its own. So a tenant
+alone uses every slot and page, and another one's request is not queued behind its prompts. A head
 that does not fit the pages free now keeps its turn, but does not hold back smaller requests forever:
 others that fit may pass it, taking at most as many pages in all as the head needs (bounded bypass); then
 nothing passes it until it is admitted, so it is not starved either.
@@ -210,14 +211,15 @@ class Scheduler:
         over = [t for t in usage if t != head.tenant and usage[t] > share]
         if not over:
             return None
-        tenant = max(over, key=usage.__getitem__)
-        return next(s for s in reversed(self.active) if s.tenant == tenant)
+        return self._newest_of(max(over, key=usage.__getitem__))
 
     def victim(self) -> Sequence:
         """The sequence a shortage preempts: the most recently admitted of the tenant holding the most pages
         (shares are equal, so the one most over its share)."""
         held = self.pages_held_by_tenant()
-        tenant = max(held, key=held.__getitem__)
+        return self._newest_of(max(held, key=held.__getitem__))
+
+    def _newest_of(self, tenant) -> Sequence:
         return next(s for s in reversed(self.active) if s.tenant == tenant)
 
     def preempt(self, seq: Sequence) -> None:
