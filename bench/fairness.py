@@ -2,8 +2,9 @@
 
 Starts its own stack (tests/e2e/stack.py: Celery prefill + decode workers, uvicorn; a tiny random-weight model
 unless --model default). Tenant B sends short streamed requests one after another, three times in one run:
-alone, while tenant A floods with long requests under the deployment's fair-share limits, and while A floods
-with its limits switched off (Tenant.max_in_flight = kv_share = 0) for contrast. A's flood clients retry
+alone, while tenant A floods with long requests under the deployment's default fair-share limits
+(work-conserving: they bite only while B has a request in flight), and while A floods with its limits
+switched off (Tenant.max_in_flight = kv_share = 0) for contrast. A's flood clients retry
 after Retry-After when refused. Prints B's median time to first token and completion time side by side and
 the flood / alone ratios (target <= 2 with fair share), then one JSON line.
 """
@@ -89,8 +90,10 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--model", choices=["tiny", "default"], default="tiny")
     parser.add_argument("--flood-clients", type=int, default=8)
-    parser.add_argument("--max-in-flight", type=int, default=2, help="KVSERVE_TENANT_MAX_IN_FLIGHT of the stack")
-    parser.add_argument("--kv-share", type=float, default=0.5, help="KVSERVE_TENANT_KV_SHARE of the stack")
+    parser.add_argument("--max-in-flight", type=int, default=16,
+                        help="KVSERVE_TENANT_MAX_IN_FLIGHT of the stack (default: the deployment's)")
+    parser.add_argument("--kv-share", type=float, default=0.5,
+                        help="KVSERVE_TENANT_KV_SHARE of the stack (default: the deployment's)")
     args = parser.parse_args(argv)
     probes, rounds = (4, 1) if args.quick else (5, 3)
     shape = dict(probes=probes, probe_tokens=8, flood_tokens=64 if args.quick else 128, warmup_s=2.0)

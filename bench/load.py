@@ -5,8 +5,8 @@ token and latency, aggregate tokens per second and errors; then runs the canary 
 check_integrity on every live pool, and measures the in-process engine on the same prompts at the
 same concurrency (stack idle) for `ratio_vs_engine`. Ends with one JSON line. Run it on a host that
 shares the stack's environment (REDIS_URL, KVSERVE_LEDGER_PREFIX, DATABASE_URL) so that the canary
-and integrity checks look at the same deployment. Its clients share one key: switch that tenant's fair share
-off (KVSERVE_TENANT_MAX_IN_FLIGHT=0 KVSERVE_TENANT_KV_SHARE=0, or its Tenant fields), or its excess is a 429.
+and integrity checks look at the same deployment. Its clients share one key: under the default fair share
+that tenant is alone, and a tenant alone is never refused (work-conserving; kvserve.chat.tenant_limits).
 """
 import argparse
 import asyncio

@@ -4,12 +4,21 @@ prefill chunks (up to `chunk_size` tokens in all), so a new request never waits 
 A sequence holds pages for what it has written plus the page it is writing. It is admitted with the pages
 of what it prefills (its prompt; prompt + output so far when it resumes); each step the sequences about
 to cross a page boundary grow together in one ledger call (`BlockManager.append_slots`). When the pool
-cannot give them their pages, the most recently admitted sequence is preempted: its pages are freed and
-scrubbed like a finished sequence's, and it goes back to the front of the queue to be recomputed (prefill
-of its prompt and the tokens it had generated). Admission itself is unchanged: a request whose prompt +
-max_tokens can never fit the pool is refused before any page is taken, so a sequence alone always fits.
-New requests are picked round-robin across tenants (inference.fair_queue), FIFO within a tenant.
+cannot give them their pages, a sequence is preempted: the most recently admitted one of the tenant holding
+the most pages (the one most over its share; a tenant alone loses its newest). Its pages are freed and
+scrubbed like a finished sequence's, and it goes back to the front of its tenant's queue to be recomputed
+(prefill of its prompt and the tokens it had generated). A request whose prompt + max_tokens can never fit
+the pool is refused before any page is taken, so a sequence alone always fits.
+
+Fair across tenants, work-conserving: a waiting request is picked from the tenant holding the fewest pages
+(round-robin between equals, inference.fair_queue; FIFO within a tenant), a step's prefill budget goes to
+that tenant first, and a tenant under its share of slots or pages preempts one over its own. So a tenant
+alone uses every slot and page, and another one's request is not queued behind its prompts. A head
+that does not fit the pages free now keeps its turn, but does not hold back smaller requests forever:
+others that fit may pass it, taking at most as many pages in all as the head needs (bounded bypass); then
+nothing passes it until it is admitted, so it is not starved either.
 """
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from inference.block_manager import BlockManager
@@ -41,6 +50,8 @@ class Scheduler:
         self.admit = lambda seq: block_manager.allocate(seq, self.pages_to_admit(seq, seq.num_tokens),
                                                         self.admission_keep_free())
         self.active: list[Sequence] = []  # PREFILLING or RUNNING, in admission order
+        self.blocked: Sequence | None = None  # the waiting head that did not fit, and the pages admitted past it
+        self.bypassed_pages = 0
         self.preempted: list[Sequence] = []  # preempted by the last schedule() (the engine drops their rows)
         self.num_preemptions = 0
 
@@ -73,35 +84,82 @@ class Scheduler:
         """Free pages an admission must leave: the watermark, unless nothing runs (a sequence alone fits)."""
         return self.watermark_pages if self.active else 0
 
+    def pages_held_by_tenant(self) -> Counter:
+        """tenant -> pages its admitted sequences hold (a shared prefix page counts for each reader)."""
+        held = Counter()
+        for seq in reversed(self.active):  # newest first: a tie goes to the tenant admitted last
+            held[seq.tenant] += len(seq.block_table)
+        return held
+
     # ---- one step ---------------------------------------------------------------------------
     def schedule(self) -> list[ScheduledChunk]:
         self.preempted = []
         stalled = self._grow()
-        chunks = []
-        budget = self.chunk_size
-        for seq in self.active:
-            if seq.status is SeqStatus.RUNNING and seq not in stalled:
-                chunks.append(ScheduledChunk(seq, 1))
-        for seq in self.active:
-            if seq.status is SeqStatus.PREFILLING and budget > 0:
-                n = min(budget, seq.num_tokens - seq.num_cached)
-                chunks.append(ScheduledChunk(seq, n))
-                budget -= n
-        while self.waiting and budget > 0 and len(self.active) < self.max_num_seqs and not self.preempted:
-            seq = self.waiting.peek()
-            if not self.admit(seq):
-                break  # does not fit now: it keeps its turn, nobody overtakes it (no starvation)
-            self.waiting.pop_next()
-            seq.status = SeqStatus.PREFILLING
-            self.active.append(seq)
+        self._preempt_for_waiting()
+        decodes = [ScheduledChunk(seq, 1) for seq in self.active
+                   if seq.status is SeqStatus.RUNNING and seq not in stalled]
+        return decodes + self._prefill_chunks()
+
+    def _prefill_chunks(self) -> list[ScheduledChunk]:
+        """Shares the step's prefill budget between prefilling sequences and waiting ones (admitted as it
+        goes), the tenant holding the fewest pages first; a tie keeps a prefill in progress first, and
+        admission order within a tenant."""
+        held = self.pages_held_by_tenant()
+        prefilling = deque(sorted((s for s in self.active if s.status is SeqStatus.PREFILLING),
+                                  key=lambda s: held[s.tenant]))
+        chunks, budget, admitting = [], self.chunk_size, True
+        while budget > 0:
+            admitting = admitting and self._may_admit()
+            if prefilling and not (admitting and held[self._head(held).tenant] < held[prefilling[0].tenant]):
+                seq = prefilling.popleft()
+            elif admitting:
+                seq = self._admit_next(held)
+                if seq is None:
+                    admitting = False
+                    continue
+                seq.status = SeqStatus.PREFILLING
+                self.active.append(seq)
+                held[seq.tenant] += len(seq.block_table)
+            else:
+                break
             n = min(budget, seq.num_tokens - seq.num_cached)  # a cached prefix is not computed again
             chunks.append(ScheduledChunk(seq, n))
             budget -= n
         return chunks
 
+    def _may_admit(self) -> bool:
+        return bool(self.waiting) and len(self.active) < self.max_num_seqs and not self.preempted
+
+    def _head(self, held: Counter) -> Sequence:
+        """The waiting sequence offered next: a head that did not fit keeps that place until it is admitted;
+        otherwise the head of the waiting tenant holding the fewest pages (round-robin between equals)."""
+        if self.blocked is not None and self.blocked in self.waiting:
+            return self.blocked
+        return self.waiting.peek(held.__getitem__)
+
+    def _admit_next(self, held: Counter) -> Sequence | None:
+        """Takes the head with its pages, or, when it does not fit now, a later sequence that fits, while the
+        pages admitted past this head stay within what the head needs (bounded bypass); None when nothing
+        may be admitted now."""
+        head = self._head(held)
+        if self.admit(head):
+            self.waiting.pop(head)
+            self.blocked = None
+            return head
+        if self.blocked is not head:
+            self.blocked, self.bypassed_pages = head, 0
+        allowance = self.pages_to_admit(head, head.num_tokens) - self.bypassed_pages
+        for seq in self.waiting.behind(head):
+            num_pages = self.pages_to_admit(seq, seq.num_tokens)
+            if num_pages <= allowance and self.admit(seq):
+                self.waiting.pop(seq)
+                self.bypassed_pages += num_pages
+                return seq
+        return None
+
     def _grow(self) -> set[Sequence]:
-        """Gives every running sequence the page its next token goes to, in one ledger call, preempting the
-        most recently admitted sequences until that fits. Returns the sequences that sit this step out:
+        """Gives every running sequence the page its next token goes to, in one ledger call, preempting
+        (`victim`) until that fits. Returns the sequences that sit this step out:
         all of them when the ledger could not be reached (no shortage is known, so nobody is preempted
         for it), or those the ledger no longer lists as owners (lease lost; their worker fails them)."""
         while True:
@@ -113,7 +171,56 @@ class Scheduler:
                 return {s for s, _ in grows if self.block_manager.pages_short(s, s.num_cached + 1)}
             if self.block_manager.can_append(grows):
                 return {s for s, _ in grows}
-            self.preempt(self.active[-1])
+            self.preempt(self.victim())
+
+    def _preempt_for_waiting(self) -> None:
+        """Work-conserving shares: a tenant alone may fill every slot and page, so when another tenant's head
+        waits for a slot, or did not fit the pages last step, while its tenant is under its share and another
+        tenant is over its own (the slots and the pool split evenly between the tenants running or waiting),
+        that tenant's newest sequences are preempted until the head is admitted."""
+        held = self.pages_held_by_tenant()
+        if self.blocked is not None and self.blocked in self.waiting:
+            head = self.blocked
+        elif self.waiting and len(self.active) >= self.max_num_seqs:
+            head = self._head(held)
+        else:
+            return
+        while True:
+            if len(self.active) < self.max_num_seqs and self.admit(head):
+                break
+            victim = self._over_share_victim(head)
+            if victim is None:
+                return
+            self.preempt(victim)
+        self.waiting.pop(head)
+        self.blocked = None
+        head.status = SeqStatus.PREFILLING
+        self.active.append(head)
+
+    def _over_share_victim(self, head: Sequence) -> Sequence | None:
+        """The newest sequence of the tenant most over its share of what `head` waits for (a slot, or pages),
+        or None when `head`'s tenant would pass its own share or no other tenant is over its."""
+        tenants = {s.tenant for s in self.active} | set(self.waiting.tenants())
+        if len(self.active) >= self.max_num_seqs:
+            usage, share, need = Counter(s.tenant for s in self.active), self.max_num_seqs / len(tenants), 1
+        else:
+            usage, share = self.pages_held_by_tenant(), self.block_manager.pool.num_pages / len(tenants)
+            need = self.pages_to_admit(head, head.num_tokens)
+        if usage[head.tenant] + need > share:
+            return None
+        over = [t for t in usage if t != head.tenant and usage[t] > share]
+        if not over:
+            return None
+        return self._newest_of(max(over, key=usage.__getitem__))
+
+    def victim(self) -> Sequence:
+        """The sequence a shortage preempts: the most recently admitted of the tenant holding the most pages
+        (shares are equal, so the one most over its share)."""
+        held = self.pages_held_by_tenant()
+        return self._newest_of(max(held, key=held.__getitem__))
+
+    def _newest_of(self, tenant) -> Sequence:
+        return next(s for s in reversed(self.active) if s.tenant == tenant)
 
     def preempt(self, seq: Sequence) -> None:
         """Frees `seq`'s pages (scrubbed, exactly as at a finish) and queues it first, to be recomputed."""

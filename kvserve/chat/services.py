@@ -135,7 +135,7 @@ def chat_request_create(*, api_key, messages: list[dict] | None = None, prompt: 
         params["seed"] = uuid.uuid4().int & (2**63 - 1)  # fixed here so any worker samples the same stream
     with transaction.atomic():  # the tenant's row lock orders its admissions: the check and the row are one step
         tenant = Tenant.objects.select_for_update().get(pk=tenant.pk)
-        tenant_admission_enforce(tenant, len(prompt_ids) + max_tokens)  # 429 over a fair-share limit
+        tenant_admission_enforce(tenant, len(prompt_ids))  # 429 over a fair share while others wait
         req = ChatRequest.objects.create(
             id=f"{id_prefix}-{uuid.uuid4().hex}", tenant=tenant, api_key=api_key, model=model_name, stream=stream,
             params=params, max_tokens=max_tokens, prompt_tokens=len(prompt_ids),

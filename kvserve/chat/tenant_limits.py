@@ -1,6 +1,7 @@
-"""Fair share at admission (web side): a tenant over its in-flight or KV limit is refused with 429 and
-Retry-After at once, never queued, so the prefill queue never holds one tenant's unbounded backlog. The rule
-is inference.tenant_budget's; this module gathers what it judges (unfinished rows, the ledger's holdings)."""
+"""Fair share at admission (web side): while other tenants have requests in flight, a tenant over its in-flight
+or KV share is refused with 429 and Retry-After at once, never queued, so the prefill queue never holds one
+tenant's unbounded backlog ahead of another's; a tenant alone is never refused. The rule is
+inference.tenant_budget's; this module gathers what it judges (unfinished rows, the ledger's holdings)."""
 from django.conf import settings
 
 from inference.ledger import owners_held_tokens
@@ -23,12 +24,14 @@ def tenant_limits_get(tenant) -> TenantLimits:
 
 
 def tenant_usage_get(tenant) -> TenantUsage:
-    """The tenant's unfinished requests, what they hold in the ledger and what those holding nothing are owed."""
-    rows = list(ChatRequest.objects.filter(tenant=tenant).exclude(status__in=ChatRequest.FINAL)
-                .values_list("id", "prompt_tokens", "max_tokens"))
-    held = owners_held_tokens(redis_get(), [rid for rid, _, _ in rows], settings.KVSERVE_LEDGER_PREFIX)
+    """The tenant's unfinished requests, what they hold in the ledger, the prompts of those holding nothing yet,
+    and how many unfinished requests the other tenants have (0: it is alone)."""
+    unfinished = ChatRequest.objects.exclude(status__in=ChatRequest.FINAL)
+    rows = list(unfinished.filter(tenant=tenant).values_list("id", "prompt_tokens"))
+    others = unfinished.exclude(tenant=tenant).count()
+    held = owners_held_tokens(redis_get(), [rid for rid, _ in rows], settings.KVSERVE_LEDGER_PREFIX)
     return TenantUsage(in_flight=len(rows), held_tokens=sum(held.values()),
-                       owed_tokens=sum(p + m for rid, p, m in rows if not held[rid]))
+                       owed_tokens=sum(p for rid, p in rows if not held[rid]), others_in_flight=others)
 
 
 def smallest_pool_tokens() -> int:
@@ -36,8 +39,8 @@ def smallest_pool_tokens() -> int:
 
 
 def tenant_admission_enforce(tenant, need_tokens: int) -> None:
-    """Raises the 429 (and counts it per limit for /metrics) when the tenant may not add a request needing
-    at most `need_tokens` now. Call with the tenant's row locked, so two admissions do not both pass."""
+    """Raises the 429 (and counts it per limit for /metrics) when the tenant may not add a request whose prompt
+    is `need_tokens` now. Call with the tenant's row locked, so two admissions do not both pass."""
     refusal = tenant_admission_check(tenant.name, tenant_usage_get(tenant), tenant_limits_get(tenant), need_tokens,
                                      smallest_pool_tokens())
     if refusal is not None:

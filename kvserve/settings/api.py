@@ -23,7 +23,8 @@ KVSERVE_SSE_KEEPALIVE_S = env_int("KVSERVE_SSE_KEEPALIVE_S", 15)
 KVSERVE_STREAM_REPLAY_S = env_int("KVSERVE_STREAM_REPLAY_S", 60)
 KVSERVE_STREAM_RETENTION_S = env_int("KVSERVE_STREAM_RETENTION_S", 3600)
 
-# Fair share (kvserve/chat/tenant_limits.py): a tenant over either limit gets 429 with Retry-After, at once.
+# Fair share (kvserve/chat/tenant_limits.py), work-conserving: a tenant alone is never refused; while another
+# tenant has requests in flight, a tenant over either share gets 429 with Retry-After, at once.
 # Per tenant, Tenant.max_in_flight / Tenant.kv_share override these; 0 switches a limit off.
 KVSERVE_TENANT_MAX_IN_FLIGHT = env_int("KVSERVE_TENANT_MAX_IN_FLIGHT", 16)
 KVSERVE_TENANT_KV_SHARE = env_float("KVSERVE_TENANT_KV_SHARE", 0.5)

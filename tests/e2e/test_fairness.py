@@ -1,6 +1,9 @@
-"""Fair share on the real stack: tenant A's flood is refused at once (429, Retry-After, the limit named) beyond
-its in-flight limit, while tenant B's request is admitted and served during the flood."""
+"""Fair share on the real stack, work-conserving: a tenant alone is admitted beyond its in-flight share; while
+another tenant has a request in flight, its excess is refused at once (429, Retry-After, the share named) and
+the other tenant's request is served during the flood."""
 import json
+import threading
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -20,17 +23,39 @@ def chat(stack, key, content, max_tokens):
         return e.code, e.headers.get("Retry-After"), json.loads(e.read())
 
 
+def unfinished(stack, tenant) -> int:
+    rows = stack.sql("SELECT COUNT(*) FROM chat_chatrequest r JOIN tenants_tenant t ON r.tenant_id = t.id "
+                     "WHERE t.name = ? AND r.status NOT IN ('done', 'failed', 'rejected')", tenant)
+    return rows[0][0]
+
+
+def flood_of(stack, key, n, max_tokens=24):
+    with ThreadPoolExecutor(n) as pool:
+        return [f.result() for f in [pool.submit(chat, stack, key, f"Count from one to fifty, number {i}.",
+                                                 max_tokens) for i in range(n)]]
+
+
 @pytest.mark.timeout(600)
-def test_a_flooding_tenant_is_refused_beyond_its_limit_and_another_is_served(stack):
+def test_a_tenant_alone_is_served_beyond_its_share_and_refused_beyond_it_while_another_waits(stack):
     flood = stack.manage("create_api_key", "fair-flood").strip().splitlines()[-1]
     light = stack.manage("create_api_key", "fair-light").strip().splitlines()[-1]
     stack.manage("shell", "-c", "from kvserve.tenants.models import Tenant; "
                  "Tenant.objects.filter(name='fair-flood').update(max_in_flight=2, kv_share=0.5)")
-    with ThreadPoolExecutor(8) as pool:
-        flooding = [pool.submit(chat, stack, flood, f"Count from one to fifty, number {i}.", 48) for i in range(6)]
-        served = chat(stack, light, "What is the capital of France?", 8)  # sent while A's requests run
-        results = [f.result() for f in flooding]
-    assert served[0] == 200 and served[2]["choices"][0]["message"]["content"], served
+    alone = flood_of(stack, flood, 6)  # nobody else in flight: all 6 admitted, 3x its share of 2
+    assert [r[0] for r in alone] == [200] * 6, alone
+    served = []
+    waiting = threading.Thread(target=lambda: served.append(
+        chat(stack, light, "Tell a long story about the sea and its ships.", 160)))
+    waiting.start()  # tenant B's request, in flight while A floods
+    deadline = time.monotonic() + 60
+    while unfinished(stack, "fair-light") == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert unfinished(stack, "fair-light") == 1
+    results = flood_of(stack, flood, 6)
+    still_waiting = unfinished(stack, "fair-light") == 1
+    waiting.join(300)
+    assert served and served[0][0] == 200 and served[0][2]["choices"][0]["message"]["content"], served
+    assert still_waiting, "B finished before A's flood was judged: the test did not contend"
     statuses = sorted(r[0] for r in results)
     assert set(statuses) <= {200, 429} and statuses.count(429) >= 1 and statuses.count(200) >= 2, statuses
     for status, retry_after, body in results:
@@ -40,4 +65,4 @@ def test_a_flooding_tenant_is_refused_beyond_its_limit_and_another_is_served(sta
             assert "the tenant's max_in_flight" in body["error"]["message"]
     rows = stack.sql("SELECT COUNT(*) FROM chat_chatrequest r JOIN tenants_tenant t ON r.tenant_id = t.id "
                      "WHERE t.name = ?", "fair-flood")
-    assert rows[0][0] == statuses.count(200)  # a refused request leaves no row and queues nothing
+    assert rows[0][0] == 6 + statuses.count(200)  # a refused request leaves no row and queues nothing

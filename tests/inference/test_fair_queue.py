@@ -87,3 +87,24 @@ def test_push_front_goes_first_and_the_turns_go_on_from_there():
         q.add(item)
     q.push_front(Item("B", "b-preempted"))
     assert drain(q) == ["b-preempted", "a0", "c0", "b0", "b1"]
+
+
+def test_a_weighted_peek_offers_the_lightest_tenants_head_and_the_turn_breaks_ties():
+    q = TenantQueues()
+    for name, tenant in (("a0", "A"), ("b0", "B"), ("c0", "C")):
+        q.add(Item(tenant, name))
+    held = {"A": 5, "B": 0, "C": 0}
+    assert q.peek(held.__getitem__).name == "b0"  # B and C hold nothing: B's turn comes first
+    assert q.peek().name == "a0"  # unweighted: the turn
+
+
+def test_behind_offers_the_other_tenants_first_and_pop_sends_a_tenant_to_the_back():
+    q = TenantQueues()
+    for name, tenant in (("a0", "A"), ("a1", "A"), ("b0", "B"), ("c0", "C"), ("c1", "C")):
+        q.add(Item(tenant, name))
+    head = q.peek()
+    assert [i.name for i in q.behind(head)] == ["b0", "c0", "c1", "a1"]
+    q.pop(next(i for i in q.behind(head) if i.name == "c0"))
+    assert q.tenants() == ["A", "B", "C"] and len(q) == 4  # C still waits: to the back (it was already there)
+    q.pop(next(i for i in q.behind(head) if i.name == "b0"))
+    assert q.tenants() == ["A", "C"] and q.peek() is head

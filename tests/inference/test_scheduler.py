@@ -231,15 +231,112 @@ def test_waiting_requests_are_admitted_round_robin_across_tenants():
     assert admitted(s) == ["a0", "b0", "c0", "a1"]  # FIFO would admit a0..a3
 
 
-def test_a_head_that_does_not_fit_keeps_its_turn_and_is_served_when_pages_free():
+def test_smaller_requests_pass_a_head_that_does_not_fit_for_as_many_pages_as_it_needs_then_it_goes_first():
     s = bare_scheduler(num_pages=8)  # pages of 4 tokens
     hog = tenant_seq("hog", "A", n_prompt=24, max_tokens=4)  # admitted with its 6 prompt pages
     s.add(hog)
     assert admitted(s) == ["hog"]
     big = tenant_seq("big", "B", n_prompt=20, max_tokens=4)  # 5 prompt pages: does not fit the 2 free
     s.add(big)
-    for i in range(3):
-        s.add(tenant_seq(f"a{i}", "A", n_prompt=2, max_tokens=2))  # 1 page each: would fit, but it is B's turn
-    assert admitted(s) == []
+    for i in range(8):
+        s.add(tenant_seq(f"a{i}", "A", n_prompt=2, max_tokens=2))  # 1 page each
+    passed = []
+    for _ in range(4):  # each round the small ones admitted finish, and more may pass
+        now = admitted(s)
+        passed += now
+        for seq in [q for q in s.active if q.request_id in now]:
+            s.finish(seq)
+    assert passed == ["a0", "a1", "a2", "a3", "a4"]  # 5 pages in all: what the head needs, then nothing more
+    assert s.waiting.peek() is big and big.status is SeqStatus.WAITING
     s.finish(hog)
-    assert admitted(s) == ["big", "a0", "a1", "a2"]
+    assert admitted(s) == ["big", "a5", "a6", "a7"]  # the head first, then the rest in turn
+
+
+def test_a_head_is_not_starved_by_a_stream_of_smaller_requests_that_keeps_its_pages_busy():
+    """Small requests that overlap (each lives two steps, one arrives each step) would keep a page busy forever,
+    so a head needing every page left would never fit; the bypass's bound stops admitting them."""
+    s = bare_scheduler(num_pages=8)
+    s.add(tenant_seq("hog", "A", n_prompt=12, max_tokens=4))  # 3 pages, held throughout
+    s.add(tenant_seq("c0", "C", n_prompt=2, max_tokens=2))
+    assert admitted(s) == ["hog", "c0"]
+    big = tenant_seq("big", "B", n_prompt=20, max_tokens=4)  # 5 pages: all that is left once c0 is done
+    s.add(big)
+    alive, passed = [s.active[-1]], []
+    for step in range(1, 40):
+        if big.status is not SeqStatus.WAITING:
+            break
+        s.add(tenant_seq(f"c{step}", "C", n_prompt=2, max_tokens=2))
+        now = admitted(s)
+        passed += [r for r in now if r != "big"]
+        for seq in alive:  # the one admitted a step ago finishes now
+            s.finish(seq)
+        alive = [q for q in s.active if q.request_id in now and q is not big]
+    assert big.status is SeqStatus.PREFILLING, "the big head was starved by the small stream"
+    assert 1 <= len(passed) <= 5  # small ones passed it, within the pages it needs
+
+
+def test_a_tenant_holding_few_pages_gets_the_prefill_budget_before_another_tenants_long_prompts():
+    s = bare_scheduler(num_pages=64, chunk_size=16)
+    for i in range(3):
+        s.add(tenant_seq(f"a{i}", "A", n_prompt=40, max_tokens=4))  # 10 pages each, 40 tokens to prefill
+    assert admitted(s) == ["a0"]  # 16 tokens of its 40
+    s.add(tenant_seq("b0", "B", n_prompt=8, max_tokens=4))
+    chunks = s.schedule()
+    assert [(c.seq.request_id, c.num_tokens) for c in chunks][0] == ("b0", 8)  # B holds nothing: first
+
+
+def test_a_shortage_preempts_the_newest_sequence_of_the_tenant_holding_the_most_pages():
+    s = bare_scheduler(num_pages=12)  # pages of 4 tokens
+    for rid, tenant in (("a0", "A"), ("a1", "A"), ("a2", "A"), ("b0", "B")):
+        s.add(tenant_seq(rid, tenant, n_prompt=8, max_tokens=8))  # 2 pages each
+    assert admitted(s) == ["a0", "b0", "a1", "a2"]  # B holds least once A has one: its turn comes second
+    s.add(tenant_seq("b1", "B", n_prompt=8, max_tokens=8))
+    assert admitted(s) == ["b1"]  # the newest of all; A holds 6 pages, B 4, 2 are free
+    for seq in s.active:  # every prompt written: each needs its third page, 5 pages for the 2 free
+        seq.num_cached, seq.status = 8, SeqStatus.RUNNING
+    s.schedule()
+    assert [q.request_id for q in s.preempted] == ["a2"]  # not b1: A is the most over its share
+    assert s.block_manager.num_free() == 0 and all(len(q.block_table) == 3 for q in s.active)
+
+
+def test_a_tenant_alone_fills_the_pool_and_is_preempted_for_another_tenants_head_under_its_share():
+    s = bare_scheduler(num_pages=12)  # pages of 4 tokens
+    for i in range(6):
+        s.add(tenant_seq(f"a{i}", "A", n_prompt=8, max_tokens=8))  # 2 pages each: the whole pool
+    assert admitted(s) == [f"a{i}" for i in range(6)] and s.block_manager.num_free() == 0  # alone: all of it
+    b = tenant_seq("b0", "B", n_prompt=8, max_tokens=8)
+    s.add(b)
+    s.schedule()  # does not fit: B's head waits this step
+    assert b.status is SeqStatus.WAITING and s.blocked is b
+    s.schedule()  # B is under its share (6 pages of 12), A over it: A's newest makes room
+    assert [q.request_id for q in s.preempted] == ["a5"] and b.status is SeqStatus.PREFILLING
+    assert s.waiting.peek().request_id == "a5"  # recomputed later, first of A's
+
+
+def test_a_tenant_alone_fills_every_slot_and_gives_one_up_to_another_tenant():
+    s = bare_scheduler(max_num_seqs=4)
+    for i in range(5):
+        s.add(tenant_seq(f"a{i}", "A"))
+    assert admitted(s) == ["a0", "a1", "a2", "a3"]
+    assert admitted(s) == []  # alone: a4 waits for a slot, nothing is preempted for A's own
+    s.add(tenant_seq("b0", "B"))
+    s.schedule()
+    assert [q.request_id for q in s.preempted] == ["a3"] and [q.request_id for q in s.active][-1] == "b0"
+    s.add(tenant_seq("b1", "B"))
+    s.schedule()  # B holds 1 of 4 slots, A 3: one more for B (2 each)
+    assert [q.request_id for q in s.preempted] == ["a2"]
+    s.add(tenant_seq("b2", "B"))
+    s.schedule()  # B at its share of 2 slots: no more preemption for it
+    assert s.preempted == [] and sorted(q.tenant for q in s.active) == ["A", "A", "B", "B"]
+
+
+def test_no_preemption_for_a_head_that_would_take_its_tenant_over_its_share():
+    s = bare_scheduler(num_pages=12)
+    for i in range(6):
+        s.add(tenant_seq(f"a{i}", "A", n_prompt=8, max_tokens=8))
+    admitted(s)
+    big = tenant_seq("big", "B", n_prompt=32, max_tokens=4)  # 8 pages: more than B's share of 6
+    s.add(big)
+    for _ in range(3):
+        s.schedule()
+        assert s.preempted == [] and big.status is SeqStatus.WAITING  # it waits for pages A frees
