@@ -121,6 +121,25 @@ def check_window(num_pages: int, page_size: int, window: int, clamp: bool) -> in
     )
 
 
+def check_leases(engine: Engine, host: HostLedger, owners) -> list[tuple[Sequence, list[int]]]:
+    """Owners a beat renewed that held no lease: each one the ledger no longer lists as holding what this
+    engine has for it loses it here (its pages scrubbed and forgotten, whatever the ledger still lists for
+    it released). Shared pages are asked of their real owner: a request's own pages and its reads of cached
+    pages, a cache entry's cached pages. Returns the requests that failed, with the pages taken back; stops
+    (the next beat asks again) when Redis cannot answer."""
+    failed = []
+    for owner in owners:
+        pages, epochs, reads = engine.held_by(owner)
+        try:
+            if pages and host.holds(owner, pages, epochs) and set(reads) <= set(host.reads_of(owner)):
+                continue  # granted again since the beat
+        except UNREACHABLE:
+            break
+        failed += [(seq, pages) for seq in engine.reclaim(pages)]
+        host.release(owner)  # whatever the ledger still lists for it (scrubbed above)
+    return failed
+
+
 def new_worker_id(role: str) -> str:
     """role-host-pid-xxxx; the host part is cut so that an id always fits the fields that store it."""
     return f"{role}-{socket.gethostname()[:64]}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
@@ -441,20 +460,11 @@ class WorkerRuntime:
     def _reclaim(self, pages: tuple[int, ...]) -> None:
         for seq in self.engine.reclaim(pages):  # fails the holders and scrubs the pages
             self._lease_lost(seq.request_id, pages)
-        self._unclean.extend(pages)
+        self._unclean.extend(p for p in pages if p not in self._unclean)
 
     def _check_leases(self, owners: tuple[str, ...]) -> None:
-        for rid in owners:
-            held = self.engine.pages_of(rid)
-            try:
-                if held and self.ledger.holds(rid, *held):
-                    continue  # granted again since the beat
-            except UNREACHABLE:
-                return  # the next beat asks again
-            if held:
-                for seq in self.engine.reclaim(held[0]):
-                    self._lease_lost(seq.request_id, held[0])
-            self._host.release(rid)  # whatever the ledger still lists for it (scrubbed above)
+        for seq, pages in check_leases(self.engine, self._host, owners):
+            self._lease_lost(seq.request_id, pages)
 
     def _admit_pending(self) -> None:
         while self._pending:
@@ -580,6 +590,8 @@ class WorkerRuntime:
     def _fail_all(self, code: str, message: str) -> None:
         for rid in list(self._futures):
             self._fail(rid, code, message)
+        for rid in list(self.engine.seqs):  # no one waits for these any more: their pages go too
+            self.engine.abort(rid, message)
 
     def _lose_pool(self, reason: str) -> None:
         log.error("pool %s lost (%s): failing its requests, scrubbing its tensor, registering a new generation",
@@ -624,8 +636,14 @@ class WorkerRuntime:
             return  # scrubbed and still dirty (claimed by us): retried next iteration
         except PoolLost:
             raise
-        except LedgerError:
-            log.exception("marking scrubbed pages %s clean", self._unclean)
+        except LedgerError:  # one page is not ours to mark (a repeat whose reply was lost): the others still are
+            for page in self._unclean:
+                try:
+                    self.ledger.mark_clean([page], self.worker_id)
+                except UNREACHABLE:
+                    return
+                except LedgerError as exc:
+                    log.warning("scrubbed page %d not marked clean: %s", page, exc)
         self._unclean = []
 
     def _publish(self, events: list[tuple[str, dict]]) -> None:
