@@ -134,8 +134,9 @@ class BlockManager:
         kept = [self.scope[p] is not None and self.owner[p] == entry for p in seq.block_table]  # now cached
         pages = [p for p, k in zip(seq.block_table, kept) if not k]
         epochs = [e for e, k in zip(seq.page_epochs, kept) if not k]
-        self.allocator.free(seq.request_id, pages, epochs)  # also when all were cached: the owner is let go
-        self.forget(pages)
+        if pages:
+            self.allocator.free(seq.request_id, pages, epochs)
+            self.forget(pages)
         seq.block_table, seq.page_epochs = [], []
 
     def release_all(self, seq: Sequence) -> list[int]:

@@ -460,7 +460,7 @@ class WorkerRuntime:
     def _reclaim(self, pages: tuple[int, ...]) -> None:
         for seq in self.engine.reclaim(pages):  # fails the holders and scrubs the pages
             self._lease_lost(seq.request_id, pages)
-        self._unclean.extend(p for p in pages if p not in self._unclean)
+        self._unclean.extend(pages)
 
     def _check_leases(self, owners: tuple[str, ...]) -> None:
         for seq, pages in check_leases(self.engine, self._host, owners):
@@ -590,8 +590,6 @@ class WorkerRuntime:
     def _fail_all(self, code: str, message: str) -> None:
         for rid in list(self._futures):
             self._fail(rid, code, message)
-        for rid in list(self.engine.seqs):  # no one waits for these any more: their pages go too
-            self.engine.abort(rid, message)
 
     def _lose_pool(self, reason: str) -> None:
         log.error("pool %s lost (%s): failing its requests, scrubbing its tensor, registering a new generation",
@@ -636,14 +634,8 @@ class WorkerRuntime:
             return  # scrubbed and still dirty (claimed by us): retried next iteration
         except PoolLost:
             raise
-        except LedgerError:  # one page is not ours to mark (a repeat whose reply was lost): the others still are
-            for page in self._unclean:
-                try:
-                    self.ledger.mark_clean([page], self.worker_id)
-                except UNREACHABLE:
-                    return
-                except LedgerError as exc:
-                    log.warning("scrubbed page %d not marked clean: %s", page, exc)
+        except LedgerError:
+            log.exception("marking scrubbed pages %s clean", self._unclean)
         self._unclean = []
 
     def _publish(self, events: list[tuple[str, dict]]) -> None:

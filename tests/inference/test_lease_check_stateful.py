@@ -161,4 +161,4 @@ class LeaseCheckMachine(RuleBasedStateMachine):
 def test_lease_checks_keep_shared_pages_with_their_real_owner(redis_client, ledger_prefix, tiny_model):
     machine = type("Machine", (LeaseCheckMachine,), {"client": redis_client, "prefix": ledger_prefix,
                                                      "model": tiny_model})
-    run_state_machine_as_test(machine, settings=settings(max_examples=25, stateful_step_count=25, deadline=None))
+    run_state_machine_as_test(machine, settings=settings(max_examples=12, stateful_step_count=20, deadline=None))

@@ -86,6 +86,8 @@ class Fault:
         real, seen = runtime.ledger._call, [0]
 
         def call(name, *args):
+            if name == site == "claim_dirty" and not self.admin.scard(runtime.ledger.key("dirty")):
+                return real(name, *args)  # a claim with nothing to claim would lose nothing
             if name == site and not self.fired.is_set():
                 seen[0] += 1
                 if seen[0] == nth:
@@ -204,8 +206,11 @@ PREFILL_SITES = ["cache", "evict", "hit", "unread", "grant", "free", "beat", "cl
 DECODE_SITES = ["grant", "free", "beat"]
 
 
-@pytest.mark.parametrize("kind", ["kill", "pause", "restart"])
-@pytest.mark.parametrize("role, site", [("prefill", s) for s in PREFILL_SITES] + [("decode", s) for s in DECODE_SITES])
+CASES = [(kind, role, site) for kind in ("kill", "pause", "restart")
+         for role, site in [("prefill", s) for s in PREFILL_SITES] + [("decode", s) for s in DECODE_SITES]]
+
+
+@pytest.mark.parametrize("kind, role, site", CASES)
 def test_a_redis_fault_at_a_ledger_call_strands_no_page(stack, own_redis, kind, role, site):
     make, admin = stack
     prefill, decode = make("prefill", 8), make("decode", 32)
