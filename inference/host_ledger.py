@@ -4,12 +4,12 @@ a free the ledger refuses (the owner's pages were reaped: its lease is lost) is 
 loop, which fails the request. The pages themselves are forgotten and scrubbed by the engine either way,
 so nothing here can leave data readable.
 
-A call that gives pages back (free, unread, evict, and a cache whose reply was lost, which is then freed as
-a request's pages would be) and that Redis cannot take is kept as a settlement, retried by the heartbeat
-(`retry_deferred`) until Redis answers, and a repeat the ledger refuses
-(the call had gone through, its reply was lost) is dropped. An owner the engine let go of is forgotten
-here at once, whatever the ledger still lists for it: what a settlement has not freed yet, and the pages
-of a grant whose reply was lost, go with its lease (reaped, scrubbed, marked clean).
+A call that gives pages back (free, evict, and a cache whose reply was lost, which is then freed as a
+request's pages would be) and that Redis cannot take is kept as a settlement, retried by the heartbeat
+(`retry_deferred`) until Redis answers (its owner renewed until then); a repeat the ledger refuses (the
+call had gone through, its reply was lost) is dropped. Once its free went through, an owner is no longer
+renewed (unless granted again since): whatever else the ledger lists for it (the pages of a grant whose
+reply was lost) goes with its lease, reaped, scrubbed and marked clean.
 
 It also keeps the set of owners this process holds leases for, changed under one lock with every grant
 and free, and `beat` renews exactly that set under the same lock: the worker's own reaper can never
@@ -29,7 +29,8 @@ UNREACHABLE = (redis.ConnectionError, redis.TimeoutError)
 
 
 class _NotYet(Exception):
-    """A settlement the ledger refuses for now (a cached page still read by a reader whose unread waits)."""
+    """A settlement the ledger refuses for now (a cached page still read by a reader whose unread Redis did not
+    take: it goes when that reader's lease is reaped)."""
 
 
 class HostLedger:
@@ -119,8 +120,7 @@ class HostLedger:
 
     def _settle(self, steps: list[tuple], retry: bool = False) -> bool | None:
         """Runs ledger steps in order; the first Redis cannot take (False) or the ledger refuses for now (None),
-        and every later one, wait for retry_deferred (unreads first: a read the ledger still records keeps
-        a cached page from eviction). True when all went through."""
+        and every later one, wait for retry_deferred. True when all went through."""
         for i, step in enumerate(steps):
             try:
                 getattr(self, "_" + step[0])(*step[1:], retry=retry)
@@ -130,10 +130,7 @@ class HostLedger:
             except (*UNREACHABLE, _NotYet) as exc:
                 log.warning("%s of %s waits for the ledger: %r", step[0], step[1], exc)
                 with self._lock:
-                    if step[0] == "unread":
-                        self._deferred.insert(0, steps[i:])
-                    else:
-                        self._deferred.append(steps[i:])
+                    self._deferred.append(steps[i:])
                 return None if isinstance(exc, _NotYet) else False
         return True
 
@@ -195,33 +192,25 @@ class HostLedger:
             return entry
 
     def hit(self, reader: str, salt: str, pages, epochs) -> bool:
-        """A read Redis cannot answer is a miss (the request computes its whole prompt); the reads it may
-        have recorded are ended later. A reader whose earlier reads are not ended yet misses too."""
-        if not self._settle_now(reader):
-            return False
+        """A read Redis cannot answer is a miss (the request computes its whole prompt)."""
         with self._lock:
             try:
                 ok = self.ledger.hit(reader, salt, pages, epochs)
             except UNREACHABLE as exc:
                 log.warning("ledger unreachable, %s computes its prefix: %r", reader, exc)
-                self._deferred.insert(0, [("unread", reader)])
                 return False
             if ok and pages:
                 self._hold(reader)
             return ok
 
-    def _settle_now(self, owner: str) -> bool:
-        """Ends the reads of `owner` that wait for Redis now; False when it still cannot take them."""
-        with self._lock:
-            mine = [steps for steps in self._deferred if steps[0] == ("unread", owner)]
-            self._deferred = [steps for steps in self._deferred if steps[0] != ("unread", owner)]
-        return all([self._settle(steps, retry=True) is True for steps in mine])
-
-    def unread(self, reader: str) -> None:
-        self._settle([("unread", reader)])
-
-    def _unread(self, reader, retry=False) -> None:
-        self.ledger.unread(reader)
+    def unread(self, reader: str) -> int:
+        try:
+            return self.ledger.unread(reader)
+        except PoolLost as exc:
+            self.pool_lost = str(exc)
+        except UNREACHABLE as exc:  # its lease (renewed while it runs) is reaped after it ends: the reads go too
+            log.warning("could not end %s's reads (its lease will be reaped): %r", reader, exc)
+        return 0
 
     def evict(self, salt: str, pages, epochs) -> None:
         """Cached pages leave the cache; the engine forgets and scrubs them whatever Redis answers."""
@@ -234,7 +223,7 @@ class HostLedger:
                 left = self.ledger.evict(salt, pages, epochs)
             except (PoolLost, IntegrityError):
                 raise
-            except LedgerError as exc:  # read by a reader whose unread waits; or gone already (evicted, reaped)
+            except LedgerError as exc:  # still read by a reader whose unread Redis did not take; or gone already
                 if self.ledger.holds(entry, pages, epochs):
                     log.warning("eviction of %s's pages %s waits: %s", entry, list(pages), exc)
                     raise _NotYet(str(exc)) from None
