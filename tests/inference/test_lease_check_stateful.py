@@ -7,7 +7,8 @@ never scrubbed, dropped from the index or lost to the pool because a reader was 
 import itertools
 
 from hypothesis import settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
+                                 run_state_machine_as_test)
 
 from inference.allocator import cache_entry
 from inference.engine import Engine, EngineConfig
@@ -69,6 +70,12 @@ class LeaseCheckMachine(RuleBasedStateMachine):
         dirty = self.ledger.take_dirty("w")
         self._end(self.engine.reclaim(dirty))
         self.ledger.mark_clean(dirty, "w")
+
+    @initialize()
+    def each_tenant_caches(self):
+        """Both scopes start with a cached prefix, so that reads hit."""
+        for tenant in "xy":
+            self.cache(tenant, 0)
 
     @rule(tenant=st.sampled_from("xy"), variant=st.integers(0, 5))
     def cache(self, tenant, variant):
