@@ -177,20 +177,24 @@ class BlockManager:
         del seq.block_table[: seq.num_shared], seq.page_epochs[: seq.num_shared]
         seq.num_shared = 0
 
-    def cache_pages(self, seq: Sequence, indices: list[int]) -> str:
-        """`seq`'s own, written, full pages at `indices` of its table go to its scope's cache entry."""
+    def cache_pages(self, seq: Sequence, indices: list[int]) -> str | None:
+        """`seq`'s own, written, full pages at `indices` of its table go to its scope's cache entry; None when
+        the ledger did not take them (they stay `seq`'s, freed with the rest of its pages)."""
         pages = [seq.block_table[i] for i in indices]
         epochs = [seq.page_epochs[i] for i in indices]
         for i, page in zip(indices, pages):
             if i < seq.num_shared or self.owner[page] != seq.request_id or self.written[page] != self.page_size:
                 raise ValueError(f"page {page} of {seq} is not its own full page; only those are cached")
         entry = self.allocator.cache(seq.request_id, seq.salt, pages, epochs)
+        if entry is None:
+            return None
         for page in pages:
             self.owner[page], self.scope[page] = entry, seq.salt
         return entry
 
     def evict_pages(self, salt: str, pages, epochs) -> None:
-        """Cached pages without readers go back to the pool, scrubbed like any freed page."""
+        """Cached pages without readers go back to the pool, scrubbed like any freed page (forgotten here
+        whatever the ledger answers: one it cannot take now is settled later, see HostLedger)."""
         if any(self.readers[p] for p in pages):
             raise ValueError(f"cached pages {[p for p in pages if self.readers[p]]} have readers")
         self.allocator.evict(salt, list(pages), list(epochs))

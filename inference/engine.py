@@ -227,12 +227,15 @@ class Engine:
         return seq
 
     def abort(self, request_id: str, reason: str = "aborted") -> Sequence | None:
-        """Stops a running request and frees its pages (scrubbed by policy); the aborted sequence, or
-        None when it was not running."""
+        """Ends the request whatever its state and takes it out of the engine: one still running, or done but
+        still holding pages (a prefill awaiting its export, a finish whose release failed midway), fails with
+        `reason` and every page it holds is freed and scrubbed (never cached). The sequence, or None when the
+        engine had none."""
         seq = self.seqs.get(request_id)
-        if seq is None or seq.is_done:
+        if seq is None:
             return None
-        seq.status, seq.error = SeqStatus.FAILED, reason
+        if not seq.is_done or seq.block_table:
+            seq.status, seq.error = SeqStatus.FAILED, reason
         self.release(seq)
         return seq
 
@@ -244,6 +247,17 @@ class Engine:
         """(pages, epochs) a running request holds, or None."""
         seq = self.seqs.get(request_id)
         return (list(seq.block_table), list(seq.page_epochs)) if seq is not None and seq.block_table else None
+
+    def held_by(self, owner: str) -> tuple[list[int], list[int], list[int]]:
+        """What the ledger should list for `owner`, as this engine sees it: (pages, epochs, cached pages it reads).
+        A request's own pages (after the shared prefix it reads, whose real owner is the cache entry); a cache
+        entry's pages in the prefix index."""
+        seq = self.seqs.get(owner)
+        if seq is not None:
+            k = seq.num_shared
+            return list(seq.block_table[k:]), list(seq.page_epochs[k:]), list(seq.block_table[:k])
+        cached = self.prefix_cache.entry_pages(owner) if self.prefix_cache is not None else []
+        return [c.page for c in cached], [c.epoch for c in cached], []
 
     def pop_finished(self) -> list[Sequence]:
         """Drops and returns every finished (or failed) sequence the engine still keeps for its caller."""

@@ -1,8 +1,15 @@
 """The engine's allocator inside a worker: its own pool's RedisLedger, behind calls that never raise out of
 an engine step for an outcome the worker handles itself. A grant Redis cannot answer "does not fit now";
-a free the ledger refuses (the owner's pages were reaped: its lease is lost) or cannot take (Redis
-unreachable) is recorded for the worker loop, which fails or retries it. The pages themselves are
-forgotten and scrubbed by the engine either way, so nothing here can leave data readable.
+a free the ledger refuses (the owner's pages were reaped: its lease is lost) is recorded for the worker
+loop, which fails the request. The pages themselves are forgotten and scrubbed by the engine either way,
+so nothing here can leave data readable.
+
+A call that gives pages back (free, evict, and a cache whose reply was lost, which is then freed as a
+request's pages would be) and that Redis cannot take is kept as a settlement, retried by the heartbeat
+(`retry_deferred`) until Redis answers (its owner renewed until then); a repeat the ledger refuses (the
+call had gone through, its reply was lost) is dropped. Once its free went through, an owner is no longer
+renewed (unless granted again since): whatever else the ledger lists for it (the pages of a grant whose
+reply was lost) goes with its lease, reaped, scrubbed and marked clean.
 
 It also keeps the set of owners this process holds leases for, changed under one lock with every grant
 and free, and `beat` renews exactly that set under the same lock: the worker's own reaper can never
@@ -14,11 +21,16 @@ from typing import Sequence
 
 import redis
 
-from inference.allocator import Grant, LedgerError, NotHolding, PoolLost, cache_entry
+from inference.allocator import Grant, IntegrityError, LedgerError, NotHolding, PoolLost, cache_entry
 from inference.ledger import RedisLedger
 
 log = logging.getLogger(__name__)
 UNREACHABLE = (redis.ConnectionError, redis.TimeoutError)
+
+
+class _NotYet(Exception):
+    """A settlement the ledger refuses for now (a cached page still read by a reader whose unread Redis did not
+    take: it goes when that reader's lease is reaped)."""
 
 
 class HostLedger:
@@ -28,8 +40,12 @@ class HostLedger:
         self.ledger = ledger
         self._lock = threading.Lock()
         self._held: set[str] = set()  # owners holding pages this process was granted
+        self._granted: dict[str, int] = {}  # held owner -> stamp of its latest grant or read
+        self._stamp = 0
         self._refused: set[str] = set()  # owners whose pages the ledger no longer listed as theirs
-        self._deferred: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []  # frees Redis could not take
+        self._deferred: list[list[tuple]] = []  # settlements (steps, in order) Redis could not take yet
+        self._uncached: dict[str, tuple[str, tuple[int, ...], tuple[int, ...]]] = {}  # owner -> a cache whose
+        # reply was lost: (salt, pages, epochs), settled when the owner's pages are freed
         self.pool_lost: str | None = None  # why, when a free found the pool gone
 
     def __getattr__(self, name):
@@ -74,8 +90,13 @@ class HostLedger:
             grants = got if many else [got]
             for (owner, _), g in zip(requests, grants):
                 if g.pages:
-                    self._held.add(owner)
+                    self._hold(owner)
             return grants
+
+    def _hold(self, owner: str) -> None:  # under the lock
+        self._stamp += 1
+        self._held.add(owner)
+        self._granted[owner] = self._stamp
 
     def num_free(self) -> int | None:
         """Free pages in the ledger; None when Redis cannot be reached (unknown is not a shortage)."""
@@ -86,29 +107,88 @@ class HostLedger:
             return None
 
     def free(self, owner: str, pages: Sequence[int], epochs: Sequence[int]) -> None:
+        """The engine is done with `owner`'s own pages (a finish, a preemption, an abort). When a cache of them
+        lost its reply, the cached ones leave the cache if the cache went through, and are freed if not."""
         pages, epochs = tuple(pages), tuple(epochs)
+        steps = []
+        if (lost := self._uncached.pop(owner, None)) is not None:
+            salt, cached, cached_epochs = lost
+            steps += [("uncache", salt, cached, cached_epochs), ("free_held", owner, cached, cached_epochs)]
+            rest = [(p, e) for p, e in zip(pages, epochs) if p not in cached]
+            pages, epochs = tuple(p for p, _ in rest), tuple(e for _, e in rest)
+        self._settle(steps + [("free", owner, pages, epochs, self._granted.get(owner))])
+
+    def _settle(self, steps: list[tuple], retry: bool = False) -> bool | None:
+        """Runs ledger steps in order; the first Redis cannot take (False) or the ledger refuses for now (None),
+        and every later one, wait for retry_deferred. True when all went through."""
+        for i, step in enumerate(steps):
+            try:
+                getattr(self, "_" + step[0])(*step[1:], retry=retry)
+            except PoolLost as exc:
+                self.pool_lost = str(exc)
+                return True
+            except (*UNREACHABLE, _NotYet) as exc:
+                log.warning("%s of %s waits for the ledger: %r", step[0], step[1], exc)
+                with self._lock:
+                    self._deferred.append(steps[i:])
+                return None if isinstance(exc, _NotYet) else False
+        return True
+
+    def _free(self, owner, pages, epochs, stamp, retry=False) -> None:
+        """Frees the owner's pages and lets it go, unless it was granted again since (a preempted sequence
+        resumed): what else the ledger lists for it (a grant whose reply was lost) goes with its lease."""
         try:
-            left = self.ledger.free(owner, pages, epochs)
-        except PoolLost as exc:
-            self.pool_lost = str(exc)
+            self.ledger.free(owner, pages, epochs)
+        except IntegrityError:
+            raise
+        except PoolLost:
+            raise
         except LedgerError as exc:
-            log.warning("lease lost: the ledger refused to free %s's pages %s: %s", owner, list(pages), exc)
-            with self._lock:
-                self._refused.add(owner)
+            if retry:  # it had gone through (its reply was lost), or the pages were reaped meanwhile
+                log.info("deferred free of %s's pages dropped: %s", owner, exc)
+            else:
+                log.warning("lease lost: the ledger refused to free %s's pages %s: %s", owner, list(pages), exc)
+                with self._lock:
+                    self._refused.add(owner)
+        with self._lock:
+            if self._granted.get(owner) == stamp:
                 self._held.discard(owner)
-        except UNREACHABLE as exc:  # still held (and renewed) until the free goes through
-            log.warning("ledger unreachable, freeing %s's pages later: %r", owner, exc)
-            with self._lock:
-                self._deferred.append((owner, pages, epochs))
-        else:
-            if not left:
-                self.forget(owner)
+                self._granted.pop(owner, None)
+
+    def _free_held(self, owner, pages, epochs, retry=False) -> None:
+        """Frees what of `pages` the owner still holds (those a cache took are no longer its own)."""
+        try:
+            self.ledger.free(owner, pages, epochs)
+        except (PoolLost, IntegrityError):
+            raise
+        except LedgerError:
+            pass
+
+    def _uncache(self, salt, pages, epochs, retry=False) -> None:
+        """Cached pages the engine does not know (a cache whose reply was lost) leave the cache."""
+        if pages and self.ledger.holds(cache_entry(salt), pages, epochs):
+            self._evict(salt, pages, epochs, retry=True)
 
     # ---- shared pages: cache entries and readers hold leases this process renews ----------------------
-    def cache(self, owner: str, salt: str, pages, epochs) -> str:
+    def cache(self, owner: str, salt: str, pages, epochs) -> str | None:
+        """The cache entry now holding `owner`'s pages; None when the ledger did not take them (the engine frees
+        them as the request's then): Redis unreachable (recorded, for `free` to settle), lease lost, pool lost."""
         with self._lock:
-            entry = self.ledger.cache(owner, salt, pages, epochs)
-            self._held.add(entry)
+            try:
+                entry = self.ledger.cache(owner, salt, pages, epochs)
+            except PoolLost as exc:
+                self.pool_lost = str(exc)
+                return None
+            except IntegrityError:
+                raise
+            except LedgerError as exc:  # the free that follows is refused the same way: the request fails lease_lost
+                log.warning("the ledger refused to cache %s's pages %s: %s", owner, list(pages), exc)
+                return None
+            except UNREACHABLE as exc:
+                log.warning("ledger unreachable, %s's pages are freed instead of cached: %r", owner, exc)
+                self._uncached[owner] = (salt, tuple(pages), tuple(epochs))
+                return None
+            self._hold(entry)
             return entry
 
     def hit(self, reader: str, salt: str, pages, epochs) -> bool:
@@ -120,7 +200,7 @@ class HostLedger:
                 log.warning("ledger unreachable, %s computes its prefix: %r", reader, exc)
                 return False
             if ok and pages:
-                self._held.add(reader)
+                self._hold(reader)
             return ok
 
     def unread(self, reader: str) -> int:
@@ -132,12 +212,26 @@ class HostLedger:
             log.warning("could not end %s's reads (its lease will be reaped): %r", reader, exc)
         return 0
 
-    def evict(self, salt: str, pages, epochs) -> int:
+    def evict(self, salt: str, pages, epochs) -> None:
+        """Cached pages leave the cache; the engine forgets and scrubs them whatever Redis answers."""
+        self._settle([("evict", salt, tuple(pages), tuple(epochs))])
+
+    def _evict(self, salt, pages, epochs, retry=False) -> None:
+        entry = cache_entry(salt)
         with self._lock:
-            left = self.ledger.evict(salt, pages, epochs)
+            try:
+                left = self.ledger.evict(salt, pages, epochs)
+            except (PoolLost, IntegrityError):
+                raise
+            except LedgerError as exc:  # still read by a reader whose unread Redis did not take; or gone already
+                if self.ledger.holds(entry, pages, epochs):
+                    log.warning("eviction of %s's pages %s waits: %s", entry, list(pages), exc)
+                    raise _NotYet(str(exc)) from None
+                log.info("eviction of %s's pages %s dropped: %s", entry, list(pages), exc)
+                return
             if not left:
-                self._held.discard(cache_entry(salt))
-            return left
+                self._held.discard(entry)
+                self._granted.pop(entry, None)
 
     def release(self, owner: str) -> list[int]:
         """Frees what the ledger lists for `owner`; [] when it cannot (its lease runs out and is reaped)."""
@@ -155,6 +249,7 @@ class HostLedger:
         """`owner` no longer holds anything this process renews (its pages were reclaimed or released)."""
         with self._lock:
             self._held.discard(owner)
+            self._granted.pop(owner, None)
 
     def beat(self, now_ms: int | None = None):
         """The pool's heartbeat (RedisLedger.beat) renewing every owner this process holds, atomically with
@@ -169,25 +264,24 @@ class HostLedger:
         return taken
 
     def retry_deferred(self) -> None:
-        """Frees that Redis could not take earlier (the pages are already scrubbed and forgotten here)."""
+        """Settlements Redis could not take earlier (their pages are already scrubbed and forgotten here)."""
         with self._lock:
             pending, self._deferred = self._deferred, []
-        for i, (owner, pages, epochs) in enumerate(pending):
-            try:
-                left = self.ledger.free(owner, pages, epochs)
-            except UNREACHABLE:
+        for i, steps in enumerate(pending):
+            if self._settle(steps, retry=True) is False:  # unreachable: the rest wait too
                 with self._lock:
-                    self._deferred[:0] = pending[i:]
+                    self._deferred.extend(pending[i + 1:])
                 return
-            except LedgerError as exc:  # already freed by a call whose reply was lost, or reaped
-                log.info("deferred free of %s's pages dropped: %s", owner, exc)
-                left = 0
-            if not left:
-                self.forget(owner)
+
+    def settled(self) -> bool:
+        """Whether every settlement went through."""
+        with self._lock:
+            return not self._deferred
 
     def reset(self) -> None:
         """A new pool generation: what was recorded about the old one no longer applies."""
         with self._lock:
-            self._held, self._refused, self._deferred = set(), set(), []
+            self._held, self._refused, self._deferred, self._uncached = set(), set(), [], {}
+            self._granted = {}
         self.ledger.reset()
         self.pool_lost = None

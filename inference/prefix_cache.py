@@ -7,6 +7,7 @@ from array import array
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
+from inference.allocator import cache_entry
 from inference.block_manager import BlockManager
 from inference.sequence import Sequence
 
@@ -82,7 +83,8 @@ class PrefixCache:
         indices = [i for i in range(seq.num_shared, n_full) if keys[i] not in self.index]
         if not indices:
             return
-        self.bm.cache_pages(seq, indices)
+        if self.bm.cache_pages(seq, indices) is None:
+            return  # the ledger did not take them: freed with the sequence's other pages
         for i in reversed(indices):  # a chain's tail is evicted before its head (a head alone still hits)
             c = CachedPage(seq.block_table[i], seq.page_epochs[i], seq.salt, keys[i])
             self.index[c.key] = c
@@ -116,6 +118,10 @@ class PrefixCache:
     def clear(self) -> None:
         self.index.clear()
         self.lru.clear()
+
+    def entry_pages(self, entry: str) -> list[CachedPage]:
+        """The indexed pages of cache entry `entry` (the owner of one scope's cached pages)."""
+        return [c for c in self.lru.values() if cache_entry(c.salt) == entry]
 
     def pages_by_salt(self) -> Counter[str]:
         return Counter(c.salt for c in self.lru.values())

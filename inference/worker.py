@@ -121,6 +121,25 @@ def check_window(num_pages: int, page_size: int, window: int, clamp: bool) -> in
     )
 
 
+def check_leases(engine: Engine, host: HostLedger, owners) -> list[tuple[Sequence, list[int]]]:
+    """Owners a beat renewed that held no lease: each one the ledger no longer lists as holding what this
+    engine has for it loses it here (its pages scrubbed and forgotten, whatever the ledger still lists for
+    it released). Shared pages are asked of their real owner: a request's own pages and its reads of cached
+    pages, a cache entry's cached pages. Returns the requests that failed, with the pages taken back; stops
+    (the next beat asks again) when Redis cannot answer."""
+    failed = []
+    for owner in owners:
+        pages, epochs, reads = engine.held_by(owner)
+        try:
+            if pages and host.holds(owner, pages, epochs) and set(reads) <= set(host.reads_of(owner)):
+                continue  # granted again since the beat
+        except UNREACHABLE:
+            break
+        failed += [(seq, pages) for seq in engine.reclaim(pages)]
+        host.release(owner)  # whatever the ledger still lists for it (scrubbed above)
+    return failed
+
+
 def new_worker_id(role: str) -> str:
     """role-host-pid-xxxx; the host part is cut so that an id always fits the fields that store it."""
     return f"{role}-{socket.gethostname()[:64]}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
@@ -444,17 +463,8 @@ class WorkerRuntime:
         self._unclean.extend(pages)
 
     def _check_leases(self, owners: tuple[str, ...]) -> None:
-        for rid in owners:
-            held = self.engine.pages_of(rid)
-            try:
-                if held and self.ledger.holds(rid, *held):
-                    continue  # granted again since the beat
-            except UNREACHABLE:
-                return  # the next beat asks again
-            if held:
-                for seq in self.engine.reclaim(held[0]):
-                    self._lease_lost(seq.request_id, held[0])
-            self._host.release(rid)  # whatever the ledger still lists for it (scrubbed above)
+        for seq, pages in check_leases(self.engine, self._host, owners):
+            self._lease_lost(seq.request_id, pages)
 
     def _admit_pending(self) -> None:
         while self._pending:

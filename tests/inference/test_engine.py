@@ -206,3 +206,16 @@ def test_a_duplicate_request_is_refused_and_the_original_is_untouched(tiny_model
     assert decode.pages_of("r") == pages and d.status is SeqStatus.RUNNING
     run_until_done(decode, [d])
     assert len(d.output_ids) == 4
+
+
+def test_abort_takes_out_a_done_sequence_that_still_holds_pages(tiny_model):
+    """A prefilled sequence awaiting its export (or a finish whose release failed midway) is done but holds
+    pages: an abort frees and scrubs them and the engine keeps nothing of it."""
+    engine = make_engine(tiny_model, prefix_cache=True)
+    seq = engine.add_request("p", list(range(10, 50)), greedy(4), prefill_only=True, salt="s" * 64)
+    run_until_done(engine, [seq])
+    assert seq.status is SeqStatus.PREFILLED and seq.block_table
+    assert engine.abort("p", "the worker gave up on it") is seq
+    assert seq.status is SeqStatus.FAILED and not engine.has_request("p") and not seq.block_table
+    assert engine.block_manager.num_free() == 64 and len(engine.prefix_cache) == 0  # freed, never cached
+    assert float(engine.pool.data.abs().sum()) == 0.0

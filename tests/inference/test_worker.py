@@ -570,3 +570,24 @@ def test_a_grow_refused_for_a_reaped_lease_fails_the_request_lease_lost_without_
     finally:
         for rt in made:
             rt.stop()
+
+
+def test_a_failure_after_a_prefill_finished_leaves_no_sequence_and_no_page(fault_runtimes):
+    make, _ = fault_runtimes
+    rt = make("prefill")
+    real, calls = rt.engine.export_kv, []
+
+    def export_that_fails_once(seq):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected export failure")
+        return real(seq)
+
+    rt.engine.export_kv = export_that_fails_once
+    with pytest.raises(RequestFailed) as err:
+        rt.prefill("done-then-failed", list(range(10, 40)), greedy(4))
+    assert err.value.code == "engine_error"
+    wait_until(lambda: not rt.engine.seqs)  # the prefilled sequence went with its request
+    assert rt.ledger.num_free() == 64 and "done-then-failed" not in rt._host._held  # nothing renewed for it
+    assert rt.prefill("after", list(range(10, 40)), greedy(4)).verdict is Verdict.OK
+    rt.ledger.check_integrity()
