@@ -3,7 +3,7 @@ from kvserve.paths import BASE_DIR
 from kvserve.settings.env import env_str
 
 INSTALLED_APPS = [
-    "django.contrib.admin",
+    "kvserve.admin_site.KvserveAdminConfig",  # django.contrib.admin; actions need a permission
     "django.contrib.auth",
     "django.contrib.contenttypes",
     "django.contrib.sessions",
