@@ -65,6 +65,7 @@ kvserve is up.
   API docs    {base}/api/docs/
   dashboard   {base}/dashboard/            admin: {base}/admin/
   health      {base}/healthz
+  metrics     {base}/metrics   (Authorization: Bearer {creds['metrics_token']})
   admin login {creds['admin_user']} / {creds['admin_password']}
   API key     {creds['api_key']}
   logs        {logs}/   (supervisor.log: every exit and restart)

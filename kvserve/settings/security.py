@@ -8,8 +8,9 @@ KVSERVE_HANDOFF_KEY = secret_get("KVSERVE_HANDOFF_KEY")
 # Keys ChatRequest.prompt_hash (HMAC-SHA256): equal prompts compare equal within a deployment, but a short
 # prompt cannot be found by hashing guesses without this key. Every web host must share it.
 KVSERVE_PROMPT_HASH_KEY = secret_get("KVSERVE_PROMPT_HASH_KEY")
-# /metrics asks for `Authorization: Bearer <token>` when this is set (staff sessions are let in too).
-KVSERVE_METRICS_TOKEN = env_str("KVSERVE_METRICS_TOKEN", "")
+# /metrics asks for `Authorization: Bearer <token>` (staff sessions are let in too): per-tenant prefix-cache
+# and page figures are no one else's business. Generated on first run unless set; `make run` prints it.
+KVSERVE_METRICS_TOKEN = secret_get("KVSERVE_METRICS_TOKEN")
 
 DEBUG = env_bool("DJANGO_DEBUG", False)
 ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS", "127.0.0.1,localhost,testserver,[::1]")
