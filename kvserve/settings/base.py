@@ -1,6 +1,6 @@
 """Apps, middleware, templates, static files (whitenoise), DRF + drf-spectacular, logging."""
 from kvserve.paths import BASE_DIR
-from kvserve.settings.env import env_str
+from inference.settings import env_choice
 
 INSTALLED_APPS = [
     "kvserve.admin_site.KvserveAdminConfig",  # django.contrib.admin; actions need a permission
@@ -88,7 +88,7 @@ SPECTACULAR_SETTINGS = {
     "REDOC_DIST": "SIDECAR",
 }
 
-LOG_LEVEL = env_str("KVSERVE_LOG_LEVEL", "INFO").upper()
+LOG_LEVEL = env_choice("KVSERVE_LOG_LEVEL", "info", ("debug", "info", "warning", "error", "critical")).upper()
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
