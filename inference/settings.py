@@ -31,11 +31,11 @@ def env_str(name: str, default: str, env: Mapping | None = None) -> str:
     return default if value is None else value
 
 
-def _bounded(name, value, low, high, kind: str):
+def _bounded(name, raw: str, value, low, high, kind: str):
     if (low is not None and value < low) or (high is not None and value > high):
         lo = "" if low is None else f" >= {low}"
         hi = "" if high is None else f" <= {high}"
-        raise SettingError(name, value, f"use {kind}{lo}{' and' if lo and hi else ''}{hi}")
+        raise SettingError(name, raw, f"use {kind}{lo}{' and' if lo and hi else ''}{hi}")
     return value
 
 
@@ -47,7 +47,7 @@ def env_int(name: str, default, *, low: int | None = None, high: int | None = No
         value = int(raw.strip())
     except ValueError:
         raise SettingError(name, raw, "use a whole number, e.g. 30") from None
-    return _bounded(name, value, low, high, "a whole number")
+    return _bounded(name, raw, value, low, high, "a whole number")
 
 
 def env_float(name: str, default, *, low: float | None = None, high: float | None = None,
@@ -61,7 +61,7 @@ def env_float(name: str, default, *, low: float | None = None, high: float | Non
         raise SettingError(name, raw, "use a number, e.g. 0.5") from None
     if value != value or value in (float("inf"), float("-inf")):
         raise SettingError(name, raw, "use a finite number")
-    return _bounded(name, value, low, high, "a number")
+    return _bounded(name, raw, value, low, high, "a number")
 
 
 def env_bool(name: str, default: bool, env: Mapping | None = None) -> bool:
