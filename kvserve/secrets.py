@@ -9,13 +9,14 @@ import secrets
 import tempfile
 from pathlib import Path
 
-from inference.settings import env_raw, env_str
+from inference.settings import env_raw
 from kvserve.paths import var_dir
 
 
 def _default_path() -> Path:
     """KVSERVE_SECRETS_FILE, else var/secrets.json (two stacks on one host may keep separate files)."""
-    return Path(env_str("KVSERVE_SECRETS_FILE", str(var_dir() / "secrets.json")))
+    explicit = env_raw("KVSERVE_SECRETS_FILE")
+    return Path(explicit) if explicit else var_dir() / "secrets.json"
 
 
 def _read(path: Path) -> dict[str, str]:
