@@ -28,10 +28,10 @@ def dashboard_view(request):
 
 
 def metrics_access_error(request) -> JsonResponse | None:
-    """None when the scrape may read /metrics: no KVSERVE_METRICS_TOKEN is set, the request carries
-    `Authorization: Bearer <token>` (constant-time compare), or it comes from a logged-in staff user."""
+    """None when the scrape may read /metrics: the request carries `Authorization: Bearer
+    <KVSERVE_METRICS_TOKEN>` (constant-time compare), or it comes from a logged-in staff user."""
     token = settings.KVSERVE_METRICS_TOKEN
-    if not token or (request.user.is_active and request.user.is_staff):
+    if request.user.is_active and request.user.is_staff:
         return None
     scheme, _, sent = request.META.get("HTTP_AUTHORIZATION", "").partition(" ")
     if scheme.lower() == "bearer" and hmac.compare_digest(sent.strip().encode(), token.encode()):

@@ -10,13 +10,13 @@ allocated), so a padded read never touches another request's page.
 """
 import logging
 import math
-import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from inference.kv_cache import cdiv
+from inference.settings import env_choice
 
 log = logging.getLogger(__name__)
 
@@ -218,12 +218,15 @@ def xformers_inputs(fmha, q, kv, layer, batch, paged: bool):
     return q.view(1, t, kvh, g, d), keys, values, bias
 
 
+def backend_wanted() -> str:
+    """KVSERVE_ATTENTION, "" when unset (chosen from the device)."""
+    return env_choice("KVSERVE_ATTENTION", "", BACKEND_NAMES)
+
+
 def select_backend(device: torch.device, dtype: torch.dtype = torch.float32) -> str:
     """`KVSERVE_ATTENTION` (native|sdpa|xformers) overrides; otherwise `native` on the CPU (fp32) and
     xformers on CUDA when its ops load. Falling back to the reference is logged as an error."""
-    wanted = os.environ.get("KVSERVE_ATTENTION", "").strip().lower()
-    if wanted and wanted not in BACKEND_NAMES:
-        raise ValueError(f"KVSERVE_ATTENTION={wanted!r}: use one of {', '.join(BACKEND_NAMES)} (or unset it)")
+    wanted = backend_wanted()
     if wanted == "sdpa":
         return "sdpa"
     if device.type != "cuda":

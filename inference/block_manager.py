@@ -14,8 +14,7 @@ from inference.allocator import PageAllocator, cache_entry
 from inference.faults import NO_FAULTS, Faults
 from inference.kv_cache import PagePool, cdiv
 from inference.sequence import Sequence
-
-SCRUB_POLICIES = ("on_free", "on_alloc", "off")
+from inference.settings import SCRUB_POLICIES  # the one list, which KVSERVE_SCRUB accepts
 
 
 @dataclass

@@ -75,22 +75,11 @@ class EngineConfig:
 
     @classmethod
     def from_env(cls, **overrides) -> "EngineConfig":
-        env = os.environ
-        values = dict(
-            num_pages=int(env.get("KVSERVE_NUM_PAGES", 1024)),
-            page_size=int(env.get("KVSERVE_PAGE_SIZE", 16)),
-            chunk_size=int(env.get("KVSERVE_CHUNK_SIZE", 512)),
-            max_num_seqs=int(env.get("KVSERVE_MAX_SEQS", 64)),
-            window=int(env["KVSERVE_WINDOW"]) if env.get("KVSERVE_WINDOW") else None,
-            scrub_policy=env.get("KVSERVE_SCRUB", "on_free"),
-            watermark=float(env.get("KVSERVE_WATERMARK", 0.01)),
-            dtype=env.get("KVSERVE_DTYPE", "float32"),
-            device=env.get("KVSERVE_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu"),
-            faults=Faults.from_env(),
-            prefix_cache=env.get("KVSERVE_PREFIX_CACHE", "on").lower() not in ("0", "off", "false", "no"),
-        )
-        if env.get("KVSERVE_POOL_MB") and not env.get("KVSERVE_NUM_PAGES"):
-            values["pool_mb"] = int(env["KVSERVE_POOL_MB"])
+        from inference.settings import engine_settings
+
+        values = engine_settings()  # inference/settings.py: strict, SettingError naming the variable
+        values.update(device=values["device"] or ("cuda" if torch.cuda.is_available() else "cpu"),
+                      faults=Faults.from_env())
         values.update(overrides)
         return cls(**values)
 

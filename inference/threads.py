@@ -10,22 +10,17 @@ import os
 
 import torch
 
+from inference.settings import env_int
+
 log = logging.getLogger(__name__)
 
 WORKER_ROLES = ("prefill", "decode")
 
 
 def torch_threads_for(role: str | None = None, env=None) -> int:
-    env = os.environ if env is None else env
     cores = os.cpu_count() or 1
-    raw = (env.get("KVSERVE_TORCH_THREADS") or "").strip()
-    if raw:
-        try:
-            n = int(raw)
-        except ValueError:
-            n = 0
-        if n < 1:
-            raise ValueError(f"KVSERVE_TORCH_THREADS={raw!r}: use a positive integer (threads per process)")
+    n = env_int("KVSERVE_TORCH_THREADS", None, low=1, env=env)  # threads per process
+    if n is not None:
         return n
     return max(1, cores // 2) if role in WORKER_ROLES else cores
 

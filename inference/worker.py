@@ -92,14 +92,9 @@ class RuntimeOptions:
 
     @classmethod
     def from_env(cls) -> "RuntimeOptions":
-        env = os.environ
-        return cls(prefix=env.get("KVSERVE_LEDGER_PREFIX", "kvs"),
-                   lease_ttl_s=float(env.get("KVSERVE_LEASE_TTL_S", 30)),
-                   registry_ttl_s=float(env.get("KVSERVE_REGISTRY_TTL_S", 15)),
-                   clamp_window=env.get("KVSERVE_CLAMP_WINDOW", "") in ("1", "true", "yes"),
-                   transport_ttl_s=int(env.get("KVSERVE_TRANSPORT_TTL_S", 300)),
-                   loop_stall_s=float(env.get("KVSERVE_LOOP_STALL_S", 300)),
-                   loop_max_failures=int(env.get("KVSERVE_LOOP_MAX_FAILURES", 3)))
+        from inference.settings import runtime_settings
+
+        return cls(**runtime_settings())  # inference/settings.py: strict, SettingError naming the variable
 
     @property
     def heartbeat_s(self) -> float:

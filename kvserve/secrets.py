@@ -9,12 +9,14 @@ import secrets
 import tempfile
 from pathlib import Path
 
+from inference.settings import env_raw
 from kvserve.paths import var_dir
 
 
 def _default_path() -> Path:
     """KVSERVE_SECRETS_FILE, else var/secrets.json (two stacks on one host may keep separate files)."""
-    return Path(os.environ["KVSERVE_SECRETS_FILE"]) if os.environ.get("KVSERVE_SECRETS_FILE") else var_dir() / "secrets.json"
+    explicit = env_raw("KVSERVE_SECRETS_FILE")
+    return Path(explicit) if explicit else var_dir() / "secrets.json"
 
 
 def _read(path: Path) -> dict[str, str]:
@@ -41,8 +43,8 @@ def _write_atomic(path: Path, data: dict[str, str]) -> None:
 def secret_get(name: str, *, path: Path | None = None, generate: bool = True) -> str:
     """The secret `name`: env var first, then the secrets file; generated (32 random bytes, hex) if
     absent, or KeyError when `generate` is False."""
-    if os.environ.get(name):
-        return os.environ[name]
+    if env_raw(name) is not None:
+        return env_raw(name)
     path = Path(path) if path else _default_path()
     value = _read(path).get(name)
     if value:

@@ -2,7 +2,6 @@
 supervisor that restarts any that exits (scripts/supervisor.py), print where to go; only Ctrl-C or
 SIGTERM stops them all. Honours REDIS_URL, DATABASE_URL and KVSERVE_PORT."""
 import json
-import os
 import subprocess
 import sys
 import time
@@ -11,6 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from inference.settings import env_int  # noqa: E402
 from scripts.supervisor import Supervisor  # noqa: E402
 
 PY = sys.executable
@@ -47,7 +47,7 @@ def wait_ready(url: str, supervisor: Supervisor, timeout_s: float = 180) -> bool
 
 
 def main() -> int:
-    port = int(os.environ.get("KVSERVE_PORT", 8000))
+    port = env_int("KVSERVE_PORT", 8000, low=1, high=65535)
     print("migrating ...", flush=True)
     manage("migrate", "--noinput")
     manage("setup_schedules")
@@ -65,6 +65,7 @@ kvserve is up.
   API docs    {base}/api/docs/
   dashboard   {base}/dashboard/            admin: {base}/admin/
   health      {base}/healthz
+  metrics     {base}/metrics   (Authorization: Bearer {creds['metrics_token']})
   admin login {creds['admin_user']} / {creds['admin_password']}
   API key     {creds['api_key']}
   logs        {logs}/   (supervisor.log: every exit and restart)

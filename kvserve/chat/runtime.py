@@ -6,6 +6,7 @@ import sys
 
 from django.conf import settings
 
+from inference.settings import role_setting, worker_settings_validate
 from kvserve.secrets import secret_get
 from kvserve.workers import redis_client
 
@@ -15,8 +16,8 @@ _runtime = {}
 
 def role_from_argv(argv=None) -> str | None:
     """KVSERVE_ROLE, else the role named by `-Q`/`--queues` (prefill or decode)."""
-    if os.environ.get("KVSERVE_ROLE"):
-        return os.environ["KVSERVE_ROLE"]
+    if role_setting():
+        return role_setting()
     argv = argv or sys.argv
     for i, arg in enumerate(argv):
         value = None
@@ -90,8 +91,9 @@ def consumer_toggle(role: str, active: bool) -> None:
 
 
 def worker_started(hostname: str) -> None:
-    """Celery worker_init hook: builds the engine for prefill/decode workers; refuses to start (exit 3) on an
-    unsafe pool or a configuration the engine refuses (e.g. KVSERVE_SCRUB=off without the no_scrub fault).
+    """Celery worker_init hook: builds the engine for prefill/decode workers; refuses to start (exit 3) on a
+    malformed setting (checked before the model loads, naming the variable), an unsafe pool or a configuration
+    the engine refuses (e.g. KVSERVE_SCRUB=off without the no_scrub fault).
     Celery logs and swallows a hook's exceptions, which would leave a worker consuming without an engine."""
     from inference.worker import WindowTooLarge
 
@@ -100,6 +102,7 @@ def worker_started(hostname: str) -> None:
         return
     _runtime["hostname"] = hostname
     try:
+        worker_settings_validate(role)
         runtime_start(role)
     except (WindowTooLarge, ValueError) as exc:
         log.critical("refusing to start the %s worker: %s", role, exc)

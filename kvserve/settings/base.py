@@ -1,9 +1,9 @@
 """Apps, middleware, templates, static files (whitenoise), DRF + drf-spectacular, logging."""
 from kvserve.paths import BASE_DIR
-from kvserve.settings.env import env_str
+from inference.settings import env_choice
 
 INSTALLED_APPS = [
-    "django.contrib.admin",
+    "kvserve.admin_site.KvserveAdminConfig",  # django.contrib.admin; actions need a permission
     "django.contrib.auth",
     "django.contrib.contenttypes",
     "django.contrib.sessions",
@@ -20,6 +20,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "kvserve.storable.StorableUrlMiddleware",  # a NUL or lone surrogate in a URL: 400, never a query
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -87,7 +88,7 @@ SPECTACULAR_SETTINGS = {
     "REDOC_DIST": "SIDECAR",
 }
 
-LOG_LEVEL = env_str("KVSERVE_LOG_LEVEL", "INFO").upper()
+LOG_LEVEL = env_choice("KVSERVE_LOG_LEVEL", "info", ("debug", "info", "warning", "error", "critical")).upper()
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,

@@ -8,6 +8,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
 from kvserve import celery_app
 from kvserve.secrets import secret_get
 
@@ -77,3 +79,20 @@ def test_check_deploy_with_the_embedded_defaults_prints_only_what_readme_documen
     assert printed == {"security.W004", "security.W008", "security.W012", "security.W016"}, out.stdout
     readme = (ROOT / "README.md").read_text()
     assert all(check in readme for check in printed)
+
+
+# ---- every setting is checked at start: a malformed one stops the process, naming the variable ------------
+
+@pytest.mark.parametrize("name, raw", [
+    ("KVSERVE_PREFIX_SHARE_GROUPS", "everyone"),  # was a 503 on every prefill, at run time
+    ("KVSERVE_PREFIX_SHARE_GROUPS", "a=t1;b=t1"),
+    ("KVSERVE_NUM_PAGES", "1k"),  # a worker's setting: every process refuses it
+    ("KVSERVE_CLAMP_WINDOW", "maybe"),  # was read as off
+    ("DJANGO_DEBUG", "sure"),
+    ("KVSERVE_TENANT_MAX_IN_FLIGHT", "-1"),
+    ("KVSERVE_FAULTS", "no_such_fault"),
+])
+def test_manage_py_refuses_to_start_with_a_malformed_setting(tmp_path, name, raw):
+    out = subprocess.run([sys.executable, "manage.py", "check"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "KVSERVE_SECRETS_FILE": str(tmp_path / "s.json"), name: raw})
+    assert out.returncode != 0 and f"SettingError: {name}={raw!r} is not valid" in out.stderr, out.stderr[-2000:]

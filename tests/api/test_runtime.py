@@ -34,3 +34,13 @@ def test_scrub_off_without_the_fault_refuses_to_start(tmp_path, tiny_paths, regi
     assert meant.returncode == 0, meant.stderr[-3000:]
     (worker,) = registry.live_workers()
     assert worker.scrub_policy == "off" and worker.faults == ["no_scrub"]
+
+
+@pytest.mark.timeout(240)
+def test_a_malformed_model_side_setting_refuses_before_the_runtime_starts(tmp_path, tiny_paths, registry_prefix,
+                                                                         registry):
+    refused = start_worker(tmp_path, tiny_paths, registry_prefix, KVSERVE_CPU_GEMM="fastest")
+    assert refused.returncode == 3, refused.stderr[-3000:]
+    assert "refusing to start the decode worker: KVSERVE_CPU_GEMM='fastest' is not valid" in refused.stderr
+    assert "torch intra-op threads" not in refused.stderr  # checked before threads, model and engine
+    assert registry.live_workers() == []

@@ -164,7 +164,7 @@ def test_metrics_count_429s_per_limit(client, env, settings):
     acme = api_key_create("acme")[1]
 
     def refusals():
-        text = client.get("/metrics").content.decode()
+        text = client.get("/metrics", HTTP_AUTHORIZATION=f"Bearer {settings.KVSERVE_METRICS_TOKEN}").content.decode()
         return {s.labels["reason"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
                 if s.name == "kvserve_admission_rejections_total"}
 

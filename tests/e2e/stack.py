@@ -109,11 +109,16 @@ class Stack:
         self.manage("migrate", "--noinput")
         creds = json.loads(self.manage("bootstrap_demo").strip().splitlines()[-1])
         self.api_key, self.admin_password = creds["api_key"], creds["admin_password"]
+        self.metrics_token = creds["metrics_token"]
         self.start_worker("prefill", queues="prefill,maintenance")
         self.start_worker("decode")
         self.start_web(**(web_env or {}))
         self.wait_healthy()
         return self
+
+    def metrics_request(self) -> urllib.request.Request:
+        """GET /metrics with the stack's metrics token."""
+        return urllib.request.Request(self.url + "/metrics", headers={"Authorization": f"Bearer {self.metrics_token}"})
 
     def registry(self) -> Registry:
         return Registry(self.redis, prefix=self.prefix, ttl_s=3)

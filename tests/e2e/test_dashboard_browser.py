@@ -152,7 +152,7 @@ def test_dashboard_shows_pools_page_maps_incident_and_release(browser, dash_stac
 
 
 def test_metrics_endpoint_on_the_real_stack(dash_stack):
-    with urllib.request.urlopen(f"{dash_stack.url}/metrics", timeout=10) as r:
+    with urllib.request.urlopen(dash_stack.metrics_request(), timeout=10) as r:
         body = r.read().decode()
         assert r.headers["Content-Type"].startswith("text/plain")
     for w in dash_stack.registry().live_workers():

@@ -19,7 +19,7 @@ MODEL = "SmolLM2-135M-Instruct"
 
 def scrape(stack) -> tuple[dict, set[str], str]:
     """({(sample name, labels): value}, declared family and sample names, raw text)."""
-    with urllib.request.urlopen(stack.url + "/metrics", timeout=30) as r:
+    with urllib.request.urlopen(stack.metrics_request(), timeout=30) as r:
         text = r.read().decode()
     samples, names = {}, set()
     for family in text_string_to_metric_families(text):

@@ -69,7 +69,7 @@ def test_many_workers_claim_and_finish_rows_while_incidents_are_recorded(postgre
     # the counter every process adds to agrees with the rows, whatever interleaving the recorders had
     ((recorded,),) = stack.sql("select count(*) from incidents_incident where kind = 'lease_expired' "
                                "and severity = 'warning'")
-    with urllib.request.urlopen(stack.url + "/metrics", timeout=30) as r:
+    with urllib.request.urlopen(stack.metrics_request(), timeout=30) as r:
         text = r.read().decode()
     assert f'kvserve_incidents_total{{kind="lease_expired",severity="warning"}} {float(recorded)}' in text
 

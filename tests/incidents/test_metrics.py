@@ -1,9 +1,12 @@
 """/metrics: Prometheus text from live state (ledger pool counts, workers' gauges, indexed DB reads) and the
-deployment's Redis-aggregated counters and histograms, behind a bearer token when one is set, one rendering per
+deployment's Redis-aggregated counters and histograms, behind a bearer token (generated on first run), one rendering per
 KVSERVE_METRICS_CACHE_S for any number of scrapers, and O(1) Redis commands per pool whatever its size and
 whatever the traffic was (no page scan, no table scan)."""
+import json
+import os
 import socket
 import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -25,6 +28,7 @@ from inference.sequence import SamplingParams, Sequence, SeqStatus
 from kvserve.chat.metrics import (admission_rejection_count_incr, admission_rejection_counts, chat_metrics_decoded,
                                   chat_metrics_prefilled, chat_metrics_refused)
 from kvserve.tenants.models import Tenant
+from kvserve.paths import BASE_DIR
 from tests.incidents.helpers import chat_request, live_worker
 
 MODEL = "SmolLM2-135M-Instruct"  # the served model's name: the model_name label
@@ -38,6 +42,10 @@ def fresh_scrapes(settings):
 
 
 def scrape(client, **headers) -> dict:
+    """The samples of one /metrics rendering, with the deployment's token unless `headers` say otherwise."""
+    from django.conf import settings
+
+    headers.setdefault("HTTP_AUTHORIZATION", f"Bearer {settings.KVSERVE_METRICS_TOKEN}")
     response = client.get("/metrics", **headers)
     assert response.status_code == 200 and response["Content-Type"].startswith("text/plain; version=0.0.4")
     samples = {}
@@ -169,9 +177,9 @@ def test_admission_rejection_counter_never_raises(settings):
     admission_rejection_count_incr()  # logged, not raised
 
 
-# ---- access: a bearer token when KVSERVE_METRICS_TOKEN is set ------------------------------------------
+# ---- access: a bearer token, KVSERVE_METRICS_TOKEN or generated on first run -------------------------------
 
-def test_token_is_required_when_set(client, settings):
+def test_token_is_required(client, settings):
     settings.KVSERVE_METRICS_TOKEN = "s3cret-metrics-token"
     for headers, code in (({}, "missing_metrics_token"),
                           ({"HTTP_AUTHORIZATION": "Bearer wrong"}, "invalid_metrics_token"),
@@ -191,12 +199,20 @@ def test_staff_sessions_pass_and_other_users_do_not(client, settings):
     client.force_login(User.objects.create_user("tenant-user", password="pw-123456789"))
     assert client.get("/metrics").status_code == 401
     client.force_login(User.objects.create_user("ops", password="pw-123456789", is_staff=True))
-    assert ("kvserve_redis_up", ()) in scrape(client)
+    assert ("kvserve_redis_up", ()) in scrape(client, HTTP_AUTHORIZATION="")
 
 
-def test_no_token_set_means_open(client, settings):
-    settings.KVSERVE_METRICS_TOKEN = ""
-    assert ("kvserve_redis_up", ()) in scrape(client)
+def test_an_anonymous_scrape_is_refused_by_default(client, tmp_path):
+    """No KVSERVE_METRICS_TOKEN in the environment: one is generated into the secrets file, and an anonymous
+    scrape sees no tenant's figures (as under `make run`)."""
+    assert client.get("/metrics").status_code == 401  # this test run's own settings
+    env = {k: v for k, v in os.environ.items() if k != "KVSERVE_METRICS_TOKEN"}
+    out = subprocess.run([sys.executable, "-c", "import django; django.setup(); from django.conf import settings; "
+                          "print(settings.KVSERVE_METRICS_TOKEN)"], capture_output=True, text=True, timeout=120,
+                         env={**env, "DJANGO_SETTINGS_MODULE": "kvserve.settings",
+                              "KVSERVE_SECRETS_FILE": str(tmp_path / "s.json")}, cwd=BASE_DIR)
+    token = out.stdout.strip().splitlines()[-1]
+    assert len(token) == 64 and json.loads((tmp_path / "s.json").read_text())["KVSERVE_METRICS_TOKEN"] == token
 
 
 # ---- cost: one rendering per window, O(1) Redis commands per pool ----------------------------------------

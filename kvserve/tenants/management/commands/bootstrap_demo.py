@@ -1,10 +1,12 @@
-"""`manage.py bootstrap_demo`: the admin user and a demo API key for `make run`, printed as JSON.
+"""`manage.py bootstrap_demo`: the admin user and a demo API key for `make run`, printed as JSON with the
+/metrics token.
 
 The admin password and the demo key live in the ignored var/secrets.json (or the environment:
 KVSERVE_ADMIN_PASSWORD, KVSERVE_DEMO_API_KEY); the database keeps only the key's hash.
 """
 import json
 
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand
 
@@ -28,4 +30,5 @@ class Command(BaseCommand):
         if not key or api_key_authenticate(key) is None:
             _, key = api_key_create("demo")
             secret_set("KVSERVE_DEMO_API_KEY", key)
-        self.stdout.write(json.dumps({"admin_user": "admin", "admin_password": password, "api_key": key}))
+        self.stdout.write(json.dumps({"admin_user": "admin", "admin_password": password, "api_key": key,
+                                      "metrics_token": settings.KVSERVE_METRICS_TOKEN}))

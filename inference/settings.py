@@ -1,0 +1,167 @@
+"""Every setting read from the environment, by kvserve's processes (Django's settings modules, the workers'
+engine and runtime, scripts): strict parsers that refuse a malformed value with a SettingError naming the
+variable and the forms it accepts, and the engine's and runtime's settings read in one place, so that a
+process checks them all when it starts (settings_validate) instead of failing on first use.
+No Django here: workers read these before (and without) Django settings."""
+import os
+from collections.abc import Callable, Mapping
+
+SCRUB_POLICIES = ("on_free", "on_alloc", "off")
+DTYPES = ("float32", "bfloat16", "float16")
+ROLES = ("prefill", "decode")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+class SettingError(ValueError):
+    """A setting's value that cannot be used; the message names the variable and what it accepts."""
+
+    def __init__(self, name: str, value, accepted: str):
+        super().__init__(f"{name}={value!r} is not valid: {accepted}")
+        self.name = name
+
+
+def env_raw(name: str, env: Mapping | None = None) -> str | None:
+    """The variable's value, None when unset or empty (an empty value means the default)."""
+    value = (os.environ if env is None else env).get(name)
+    return None if value is None or value.strip() == "" else value
+
+
+def env_str(name: str, default: str, env: Mapping | None = None) -> str:
+    value = env_raw(name, env)
+    return default if value is None else value
+
+
+def _bounded(name, raw: str, value, low, high, kind: str):
+    if (low is not None and value < low) or (high is not None and value > high):
+        lo = "" if low is None else f" >= {low}"
+        hi = "" if high is None else f" <= {high}"
+        raise SettingError(name, raw, f"use {kind}{lo}{' and' if lo and hi else ''}{hi}")
+    return value
+
+
+def env_int(name: str, default, *, low: int | None = None, high: int | None = None, env: Mapping | None = None):
+    raw = env_raw(name, env)
+    if raw is None:
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise SettingError(name, raw, "use a whole number, e.g. 30") from None
+    return _bounded(name, raw, value, low, high, "a whole number")
+
+
+def env_float(name: str, default, *, low: float | None = None, high: float | None = None,
+              env: Mapping | None = None):
+    raw = env_raw(name, env)
+    if raw is None:
+        return default
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        raise SettingError(name, raw, "use a number, e.g. 0.5") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise SettingError(name, raw, "use a finite number")
+    return _bounded(name, raw, value, low, high, "a number")
+
+
+def env_bool(name: str, default: bool, env: Mapping | None = None) -> bool:
+    raw = env_raw(name, env)
+    if raw is None:
+        return default
+    if raw.strip().lower() in _TRUE:
+        return True
+    if raw.strip().lower() in _FALSE:
+        return False
+    raise SettingError(name, raw, "use 1/0, true/false, yes/no or on/off")
+
+
+def env_choice(name: str, default: str, choices, env: Mapping | None = None, *, lower: bool = True) -> str:
+    raw = env_raw(name, env)
+    if raw is None:
+        return default
+    value = raw.strip().lower() if lower else raw.strip()
+    if value not in choices:
+        raise SettingError(name, raw, f"use one of {', '.join(choices)} (or unset it)")
+    return value
+
+
+def env_list(name: str, default: str, env: Mapping | None = None) -> list[str]:
+    return [item.strip() for item in env_str(name, default, env).split(",") if item.strip()]
+
+
+def env_parsed(name: str, default: str, parse: Callable, accepted: str, env: Mapping | None = None):
+    """`parse(value)`; its ValueError becomes a SettingError naming the variable and `accepted`."""
+    raw = env_str(name, default, env)
+    try:
+        return parse(raw)
+    except ValueError as exc:
+        raise SettingError(name, raw, f"{exc} (the form: {accepted})") from None
+
+
+# ---- the engine's and the worker runtime's settings (inference.engine / inference.worker from_env) -------
+
+def engine_settings(env: Mapping | None = None) -> dict:
+    """EngineConfig fields from the environment (device None: the engine picks cuda if present, else cpu)."""
+    values = dict(
+        num_pages=env_int("KVSERVE_NUM_PAGES", 1024, low=1, env=env),
+        page_size=env_int("KVSERVE_PAGE_SIZE", 16, low=1, env=env),
+        chunk_size=env_int("KVSERVE_CHUNK_SIZE", 512, low=1, env=env),
+        max_num_seqs=env_int("KVSERVE_MAX_SEQS", 64, low=1, env=env),
+        window=env_int("KVSERVE_WINDOW", None, low=1, env=env),
+        scrub_policy=env_choice("KVSERVE_SCRUB", "on_free", SCRUB_POLICIES, env),
+        watermark=env_float("KVSERVE_WATERMARK", 0.01, low=0, high=1, env=env),
+        dtype=env_choice("KVSERVE_DTYPE", "float32", DTYPES, env),
+        device=env_str("KVSERVE_DEVICE", "", env).strip() or None,
+        prefix_cache=env_bool("KVSERVE_PREFIX_CACHE", True, env),
+    )
+    pool_mb = env_int("KVSERVE_POOL_MB", None, low=1, env=env)
+    if pool_mb and env_raw("KVSERVE_NUM_PAGES", env) is None:
+        values["pool_mb"] = pool_mb
+    return values
+
+
+def runtime_settings(env: Mapping | None = None) -> dict:
+    """RuntimeOptions fields from the environment."""
+    return dict(
+        prefix=env_str("KVSERVE_LEDGER_PREFIX", "kvs", env),
+        lease_ttl_s=env_float("KVSERVE_LEASE_TTL_S", 30.0, low=0.1, env=env),
+        registry_ttl_s=env_float("KVSERVE_REGISTRY_TTL_S", 15.0, low=0.1, env=env),
+        clamp_window=env_bool("KVSERVE_CLAMP_WINDOW", False, env),
+        transport_ttl_s=env_int("KVSERVE_TRANSPORT_TTL_S", 300, low=1, env=env),
+        loop_stall_s=env_float("KVSERVE_LOOP_STALL_S", 300.0, low=0.1, env=env),
+        loop_max_failures=env_int("KVSERVE_LOOP_MAX_FAILURES", 3, low=1, env=env),
+    )
+
+
+def role_setting(env: Mapping | None = None) -> str | None:
+    """KVSERVE_ROLE (prefill or decode), None when unset."""
+    return env_choice("KVSERVE_ROLE", "", ROLES, env) or None
+
+
+def settings_validate() -> None:
+    """Reads the engine's and runtime's settings (no torch: the web process checks them too, from
+    kvserve/settings/engine.py): SettingError at the first malformed one."""
+    from inference.faults import Faults
+
+    engine_settings()
+    runtime_settings()
+    role_setting()
+    Faults.from_env()
+
+
+def worker_settings_validate(role: str | None = None) -> None:
+    """settings_validate and the settings read where the model is built (threads, attention, GEMM, the model
+    file): called at worker boot, before the model loads."""
+    from inference.attention import backend_wanted
+    from inference.loader import resolve_model_path
+    from inference.model import gemm_wanted
+    from inference.threads import torch_threads_for
+
+    settings_validate()
+    torch_threads_for(role)
+    backend_wanted()
+    gemm_wanted()
+    try:
+        resolve_model_path()
+    except FileNotFoundError as exc:
+        raise SettingError("KVSERVE_MODEL", env_raw("KVSERVE_MODEL"), str(exc)) from None

@@ -1,0 +1,90 @@
+"""inference/settings.py: strict parsers that refuse a malformed value with a SettingError naming the variable
+and the forms it accepts (an empty value is the default), and the engine's and runtime's settings read there."""
+import pytest
+
+from inference.engine import EngineConfig
+from inference.settings import (SettingError, engine_settings, env_bool, env_choice, env_float, env_int, env_list,
+                                env_parsed, runtime_settings)
+from inference.worker import RuntimeOptions
+
+
+@pytest.mark.parametrize("raw, value", [("1", True), ("TRUE", True), ("Yes", True), ("on", True), (" on ", True),
+                                        ("0", False), ("false", False), ("NO", False), ("Off", False)])
+def test_booleans_in_every_accepted_form(raw, value):
+    assert env_bool("X_FLAG", not value, env={"X_FLAG": raw}) is value
+
+
+@pytest.mark.parametrize("raw", ["2", "maybe", "y", "enabled", "tru", "-1"])
+def test_anything_else_is_not_a_boolean(raw):
+    with pytest.raises(SettingError, match=r"X_FLAG='.*' is not valid: use 1/0, true/false, yes/no or on/off"):
+        env_bool("X_FLAG", False, env={"X_FLAG": raw})
+
+
+def test_unset_or_empty_is_the_default():
+    for env in ({}, {"X": ""}, {"X": "  "}):
+        assert env_bool("X", True, env=env) is True and env_int("X", 7, env=env) == 7
+        assert env_float("X", 0.5, env=env) == 0.5 and env_choice("X", "a", ("a", "b"), env=env) == "a"
+
+
+@pytest.mark.parametrize("parse, raw, fragment", [
+    (lambda e: env_int("X_N", 1, env=e), "1.5", "whole number"),
+    (lambda e: env_int("X_N", 1, env=e), "ten", "whole number"),
+    (lambda e: env_int("X_N", 1, low=1, env=e), "0", ">= 1"),
+    (lambda e: env_int("X_N", 1, low=1, high=9, env=e), "10", ">= 1 and <= 9"),
+    (lambda e: env_float("X_N", 1.0, env=e), "fast", "a number"),
+    (lambda e: env_float("X_N", 1.0, env=e), "nan", "finite"),
+    (lambda e: env_float("X_N", 0.5, low=0, high=1, env=e), "1.5", "<= 1"),
+    (lambda e: env_choice("X_N", "a", ("a", "b"), env=e), "c", "one of a, b"),
+])
+def test_numbers_and_choices_are_strict_and_name_the_variable(parse, raw, fragment):
+    with pytest.raises(SettingError, match="X_N") as err:
+        parse({"X_N": raw})
+    assert fragment in str(err.value) and err.value.name == "X_N"
+
+
+def test_parsed_values_report_the_parsers_reason_and_the_form():
+    def parse(text):
+        if "=" not in text:
+            raise ValueError("no '=' in it")
+        return text
+
+    assert env_parsed("X_G", "", parse, "g=a,b", env={"X_G": "g=a"}) == "g=a"
+    with pytest.raises(SettingError, match=r"X_G='oops' is not valid: no '=' in it \(the form: g=a,b\)"):
+        env_parsed("X_G", "", parse, "g=a,b", env={"X_G": "oops"})
+    assert env_list("X_L", "a, b,,c", env={}) == ["a", "b", "c"]
+
+
+def test_engine_and_runtime_defaults_are_the_dataclasses():
+    engine, config = engine_settings(env={}), EngineConfig()
+    for name in ("num_pages", "page_size", "chunk_size", "max_num_seqs", "window", "scrub_policy", "watermark",
+                 "dtype"):
+        assert engine[name] == getattr(config, name), name
+    assert engine["prefix_cache"] is True and engine["device"] is None and "pool_mb" not in engine
+    assert RuntimeOptions(**runtime_settings(env={})) == RuntimeOptions()
+
+
+@pytest.mark.parametrize("name, raw", [("KVSERVE_NUM_PAGES", "1k"), ("KVSERVE_PAGE_SIZE", "0"),
+                                       ("KVSERVE_SCRUB", "sometimes"), ("KVSERVE_WATERMARK", "2"),
+                                       ("KVSERVE_DTYPE", "int4"), ("KVSERVE_PREFIX_CACHE", "maybe"),
+                                       ("KVSERVE_WINDOW", "-1"), ("KVSERVE_POOL_MB", "lots")])
+def test_a_malformed_engine_setting_is_refused(name, raw):
+    with pytest.raises(SettingError, match=name):
+        engine_settings(env={name: raw})
+
+
+@pytest.mark.parametrize("name, raw", [("KVSERVE_CLAMP_WINDOW", "maybe"), ("KVSERVE_LEASE_TTL_S", "30s"),
+                                       ("KVSERVE_LOOP_MAX_FAILURES", "0"), ("KVSERVE_TRANSPORT_TTL_S", "1.5")])
+def test_a_malformed_runtime_setting_is_refused(name, raw):
+    with pytest.raises(SettingError, match=name):
+        runtime_settings(env={name: raw})
+
+
+def test_from_env_reads_the_same_settings(monkeypatch):
+    monkeypatch.setenv("KVSERVE_NUM_PAGES", "77")
+    monkeypatch.setenv("KVSERVE_CLAMP_WINDOW", "ON")
+    monkeypatch.setenv("KVSERVE_POOL_MB", "9")  # ignored: KVSERVE_NUM_PAGES wins
+    assert EngineConfig.from_env().num_pages == 77 and EngineConfig.from_env().pool_mb is None
+    assert RuntimeOptions.from_env().clamp_window is True
+    monkeypatch.setenv("KVSERVE_CLAMP_WINDOW", "maybe")
+    with pytest.raises(SettingError, match="KVSERVE_CLAMP_WINDOW"):
+        RuntimeOptions.from_env()
