@@ -9,7 +9,8 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +34,8 @@ class LoadedModel:
     tokenizer: ChatTokenizer
     fingerprint: str  # sha256 prefix of the source file(s): decode refuses KV from another model
     source: str
+    # the models engines built from these weights (inference.engine.shared_model), while one holds each
+    built: weakref.WeakValueDictionary = field(default_factory=weakref.WeakValueDictionary, repr=False, compare=False)
 
 
 def resolve_model_path(path: str | os.PathLike | None = None) -> Path:
