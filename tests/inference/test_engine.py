@@ -206,3 +206,19 @@ def test_a_duplicate_request_is_refused_and_the_original_is_untouched(tiny_model
     assert decode.pages_of("r") == pages and d.status is SeqStatus.RUNNING
     run_until_done(decode, [d])
     assert len(d.output_ids) == 4
+
+
+def test_engines_on_one_loaded_model_share_its_built_weights_until_the_last_is_gone(tiny_model, monkeypatch):
+    """A worker's engine and its canary sandbox's: one packed copy of the weights, not one per engine."""
+    import gc
+    import weakref
+
+    first, second = make_engine(tiny_model), make_engine(tiny_model, num_pages=8)
+    assert second.model is first.model and second.pool is not first.pool
+    monkeypatch.setenv("KVSERVE_CPU_GEMM", "blas")  # another packing is another model
+    assert make_engine(tiny_model).model is not first.model
+    monkeypatch.delenv("KVSERVE_CPU_GEMM")
+    built = weakref.ref(first.model)
+    del first, second
+    gc.collect()
+    assert built() is None  # freed with the last engine that held it
