@@ -1,17 +1,15 @@
 """A serving worker's memory across canary runs, on a real stack: the scheduled canary task (`kvserve.canary`,
 maintenance queue) runs in the prefill worker's own process; its sandbox (inference.sandbox) must leave that
 process's RSS where it found it, and not swell it while it runs (issue 20, problem 9)."""
-import json
 import threading
-import time
 
 import openai
 import pytest
 
+from bench.memory import canary_task
 from inference.memory import rss_bytes
 
 RUNS = 5
-SANDBOX_CHECKS = ["selftest", "reproduction"]  # what the canary runs in the maintenance worker itself
 
 
 class RssWatch:
@@ -33,22 +31,6 @@ class RssWatch:
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
-
-
-def canary_task(stack, last_run: int, timeout_s: float = 300) -> tuple[int, dict]:
-    """Sends the scheduled task for the sandbox checks, as beat does; (run id, {check: passed}) once stored."""
-    stack.manage("shell", "-c", "from kvserve.celery import app; "
-                                f"app.send_task('kvserve.canary', kwargs={{'only': {SANDBOX_CHECKS!r}}})")
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        done = stack.sql("select id, checks from incidents_canaryrun where id > ? and finished_at is not null "
-                         "order by id", last_run)
-        if done:
-            run_id, checks = done[0]
-            checks = json.loads(checks) if isinstance(checks, str) else checks
-            return run_id, {c["name"]: c["passed"] for c in checks}
-        time.sleep(0.5)
-    raise TimeoutError(f"the canary task did not finish in {timeout_s}s: {stack.tail('prefill')}")
 
 
 @pytest.mark.timeout(900)
