@@ -4,7 +4,6 @@ run as the maintenance queue runs it (a thread of its own, in the worker's proce
 
     python -m bench.memory [--num-pages 1024] [--canary-runs 3] [--prompt-tokens 2048]
                            [--sandbox-builds-model] [--no-release]
-    python -m bench.memory --stack [--requests 150] [--clients 32] [--arena-max N] [--canary-runs 3]
 
 Steps: interpreter; torch; Django + the Celery app + the worker's modules; the tokenizer; the weights
 (the fp32 safetensors cache, mmapped: file-backed pages, shared by every process on the host that maps
@@ -12,12 +11,6 @@ it); the model (q/k/v and gate/up fused, every projection and the tied lm_head p
 anonymous copy); the KV page pool (one tensor, K and V inside, pre-faulted) and the engine around it;
 a warm-up request (prefill of --prompt-tokens in chunks, 16 decode steps: activations and workspaces
 the allocator keeps); then each canary self-test (RSS after, and its peak while it ran, sampled every 10 ms).
-
-`--stack` measures the real processes instead: a stack of its own (tests/e2e/stack.py; `make run`'s pool
-and Celery concurrency unless the environment says otherwise), `--requests` chat requests from `--clients`
-threads, then the scheduled canary task's sandbox checks `--canary-runs` times in the prefill worker; each
-worker's RSS at start, after the traffic and after each canary run. `--arena-max N` starts the workers with
-MALLOC_ARENA_MAX=N (glibc's default is 8 arenas per core, one per allocating thread up to that).
 
 `--sandbox-builds-model` gives each sandbox engine a model of its own (what main did before it shared the
 worker's), `--no-release` skips the self-test's gc + malloc_trim: the before arms in bench/RESULTS.md.
@@ -180,7 +173,7 @@ def measure(num_pages: int, canary_runs: int, prompt_tokens: int, role: str = "p
             "peak_rss_mb": after["VmHWM"] / MB}
 
 
-SANDBOX_CHECKS = ["selftest", "reproduction"]  # the checks the canary runs in the maintenance worker itself
+SANDBOX_CHECKS = ["selftest", "reproduction"]  # what the canary runs in the maintenance worker itself (e2e)
 
 
 def canary_task(stack, last_run: int, timeout_s: float = 300) -> tuple[int, dict]:
@@ -199,70 +192,6 @@ def canary_task(stack, last_run: int, timeout_s: float = 300) -> tuple[int, dict
     raise TimeoutError(f"the canary task did not finish in {timeout_s}s: {stack.tail('prefill')}")
 
 
-def worker_rss(stack) -> dict[str, float]:
-    from inference.memory import rss_bytes
-
-    return {name: rss_bytes(stack.procs[name].pid) / MB for name in ("prefill", "decode")}
-
-
-def chat_traffic(stack, requests: int, clients: int) -> dict:
-    """`requests` non-streamed chat completions of mixed lengths from `clients` threads; outcome counts."""
-    import random
-    from collections import Counter
-    from concurrent.futures import ThreadPoolExecutor
-
-    import httpx
-
-    words = "the quarterly report was revised and the audit found nothing unusual in the figures".split()
-
-    def one(i: int) -> str:
-        rng = random.Random(i)
-        content = " ".join(rng.choice(words) for _ in range(rng.randint(8, 600)))
-        try:
-            r = httpx.post(f"{stack.url}/v1/chat/completions", timeout=600,
-                           headers={"Authorization": f"Bearer {stack.api_key}"},
-                           json={"messages": [{"role": "user", "content": content}], "max_tokens": rng.randint(4, 48)})
-            return str(r.status_code)
-        except httpx.HTTPError as exc:
-            return type(exc).__name__
-
-    with ThreadPoolExecutor(clients) as pool:
-        return dict(Counter(pool.map(one, range(requests))))
-
-
-def measure_stack(requests: int, clients: int, canary_runs: int, arena_max: int | None) -> dict:
-    import tempfile
-    from pathlib import Path
-
-    from tests.e2e.stack import Stack
-
-    env = {"KVSERVE_NUM_PAGES": os.environ.get("KVSERVE_NUM_PAGES", "1024"),
-           "KVSERVE_WORKER_CONCURRENCY": os.environ.get("KVSERVE_WORKER_CONCURRENCY", "64")}
-    if arena_max:
-        env["MALLOC_ARENA_MAX"] = str(arena_max)
-    with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp:
-        stack = Stack(Path(tmp), **env)
-        try:
-            stack.start()
-            samples = [{"at": "started", **worker_rss(stack)}]
-            started = time.perf_counter()
-            outcomes = chat_traffic(stack, requests, clients)
-            samples.append({"at": f"after {requests} requests", **worker_rss(stack),
-                            "seconds": time.perf_counter() - started})
-            last = stack.sql("select coalesce(max(id), 0) from incidents_canaryrun")[0][0]
-            for i in range(canary_runs):
-                last, passed = canary_task(stack, last)
-                samples.append({"at": f"after canary run {i + 1}", **worker_rss(stack), "passed": passed})
-        finally:
-            stack.close()
-    for row in samples:
-        print(f"{row['at']:28s} prefill {row['prefill']:7.0f} MB  decode {row['decode']:7.0f} MB", flush=True)
-    return {"bench": "memory", "mode": "stack", "malloc_arena_max": arena_max, "requests": requests,
-            "clients": clients, "outcomes": outcomes, "samples": samples, **env,
-            "prefill_rss_mb": samples[-1]["prefill"], "decode_rss_mb": samples[-1]["decode"],
-            "prefill_canary_growth": (samples[-1]["prefill"] - samples[1]["prefill"]) / samples[1]["prefill"]}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--num-pages", type=int, default=int(os.environ.get("KVSERVE_NUM_PAGES", 1024)))
@@ -271,16 +200,7 @@ def main() -> None:
     ap.add_argument("--role", default="prefill", choices=("prefill", "decode"))
     ap.add_argument("--sandbox-builds-model", action="store_true", help="before arm: no sharing of the model")
     ap.add_argument("--no-release", action="store_true", help="before arm: no gc + malloc_trim after the self-test")
-    ap.add_argument("--stack", action="store_true", help="measure a real stack's worker processes instead")
-    ap.add_argument("--requests", type=int, default=150)
-    ap.add_argument("--clients", type=int, default=32)
-    ap.add_argument("--arena-max", type=int, default=None, help="--stack: workers run with MALLOC_ARENA_MAX=N")
     args = ap.parse_args()
-    if args.stack:
-        from bench.common import emit_json
-
-        emit_json(measure_stack(args.requests, args.clients, args.canary_runs, args.arena_max))
-        return
     result = measure(args.num_pages, args.canary_runs, args.prompt_tokens, args.role,
                      share=not args.sandbox_builds_model, release=not args.no_release)
     print(f"canary self-test: worker {result['worker_rss_mb']:.0f} MB before, {result['rss_mb_after_canaries']:.0f} MB "
