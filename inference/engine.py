@@ -2,6 +2,7 @@
 decode with continuous batching, release. Every forward pass is preceded by the ownership guard."""
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -14,7 +15,7 @@ from inference.block_manager import BlockManager, OwnershipViolation, Violation
 from inference.faults import NO_FAULTS, Faults
 from inference.kv_cache import PagePool, cdiv, page_checksums
 from inference.loader import LoadedModel, load_model
-from inference.model import Llama
+from inference.model import Llama, choose_gemm
 from inference.prefix_cache import PrefixCache
 from inference.runner import StepBuilder
 from inference.sampling import sample, sampled_logprobs
@@ -84,6 +85,23 @@ class EngineConfig:
         return cls(**values)
 
 
+_BUILD_LOCK = threading.Lock()
+
+
+def shared_model(model: LoadedModel, dtype: torch.dtype, device: torch.device, attention_backend: str) -> Llama:
+    """The Llama another engine of this process already built from `model` for this dtype, device, attention
+    backend and GEMM, else a new one. Its weights are read-only once packed, so engines on one LoadedModel
+    (a worker's and its canary sandbox's) share them instead of packing ~0.5 GB each (bench.memory); it is
+    freed with the last engine that holds it."""
+    key = (str(dtype), str(device), attention_backend, choose_gemm(device, dtype))
+    with _BUILD_LOCK:
+        llama = model.built.get(key)
+        if llama is None:
+            llama = Llama(model.config, model.weights, dtype=dtype, device=device, attention_backend=attention_backend)
+            model.built[key] = llama
+        return llama
+
+
 class Engine:
     def __init__(self, model: LoadedModel, config: EngineConfig | None = None,
                  allocator_factory=None):
@@ -93,7 +111,7 @@ class Engine:
         dtype = getattr(torch, config.dtype)
         device = torch.device(config.device)
         self.attention_backend = config.attention or select_backend(device, dtype)
-        self.model = Llama(mc, model.weights, dtype=dtype, device=device, attention_backend=self.attention_backend)
+        self.model = shared_model(model, dtype, device, self.attention_backend)
         num_pages = config.pages_for(mc, dtype)
         self.pool = PagePool(num_pages, config.page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, device)
         allocator: PageAllocator = (allocator_factory or (lambda n: LocalAllocator(n)))(num_pages)

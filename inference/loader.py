@@ -9,7 +9,8 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
+from inference.memory import release_freed_memory
 from inference.model import ModelConfig
 from inference.settings import env_str
 from inference.tokenizer import ChatTokenizer, bpe_from_gguf_vocab
@@ -34,6 +36,8 @@ class LoadedModel:
     tokenizer: ChatTokenizer
     fingerprint: str  # sha256 prefix of the source file(s): decode refuses KV from another model
     source: str
+    # the models engines built from these weights (inference.engine.shared_model), while one holds each
+    built: weakref.WeakValueDictionary = field(default_factory=weakref.WeakValueDictionary, repr=False, compare=False)
 
 
 def resolve_model_path(path: str | os.PathLike | None = None) -> Path:
@@ -215,6 +219,8 @@ def _gguf_cache_entry(path: Path) -> tuple[Path, str]:
             os.rename(tmp, entry)
         except OSError:  # another process won the race: its entry is identical
             shutil.rmtree(tmp, ignore_errors=True)
+        del weights
+        release_freed_memory()  # the dequantized copy (~0.4 GB here) would otherwise stay in the heap
         log.info("converted %s in %.1fs into %s", path, time.perf_counter() - started, entry)
     return entry, digest
 

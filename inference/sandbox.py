@@ -18,6 +18,10 @@ like the incident in miniature: the window is the model's (8192 tokens) while th
    Decode then reserves pages for all of O (the FIFO free list hands it P's pages, in P's order),
    imports the placeholder page, believes len(O) tokens are cached and decodes.
 
+Resources: both engines share the caller's already-built model weights (inference.engine.shared_model: the
+worker's own, read-only), so a replay adds two small pools and its activations, no second model; `close()`
+(or leaving `with`) drops the engines, and the caller hands the freed heap back (inference.memory).
+
 The observable (deterministic, independent of what the model says): just before O's first decode step
 its read record (`BlockManager.read_record`) is audited the way canaries audit live traffic, and every
 page in O's attention range is compared byte for byte (page checksum) with the pages P left behind.
@@ -313,3 +317,16 @@ class IncidentReplay:
 
     def free_pages(self) -> dict:
         return {"prefill": self.prefill.block_manager.num_free(), "decode": self.decode.block_manager.num_free()}
+
+    # ---- lifetime ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Drops both engines (their pools, and their hold on the shared model), the transport's blobs and
+        what P and O left; the replay cannot run again."""
+        self.prefill = self.decode = self.transport = None
+        self.previous, self.overlong_ids = {}, []
+
+    def __enter__(self) -> "IncidentReplay":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

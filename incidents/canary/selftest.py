@@ -11,11 +11,16 @@ Passing means both:
       OwnershipViolation (unwritten_read) before attention; and its owner/epoch half, alone, catches the
       variant in which decode reuses the previous request's page-table entries (stale_epoch).
 If (a) fails the detectors are unproven ("detectors broken"); if a guard in (b) does not fire, it is broken.
+
+In a worker the sandbox shares the worker's built model (inference.engine.shared_model) and, once done,
+hands what it freed back to the kernel (inference.memory.release_freed_memory): a run leaves the serving
+worker's RSS where it found it (tests/e2e/test_memory.py).
 """
 import time
 from functools import lru_cache
 
 from inference.faults import Faults
+from inference.memory import release_freed_memory
 from inference.sandbox import ALL_FAULTS, IncidentReplay
 from incidents.canary.prompts import new_sentinel
 from incidents.canary.result import CheckResult, IncidentSpec
@@ -81,7 +86,14 @@ def judge(name: str, o) -> str | None:
 
 def check_selftest(model=None) -> CheckResult:
     started = time.perf_counter()
-    replay = IncidentReplay(model or sandbox_model(), sentinel=new_sentinel())
+    try:
+        with IncidentReplay(model or sandbox_model(), sentinel=new_sentinel()) as replay:
+            return _selftest(replay, started)
+    finally:
+        release_freed_memory()
+
+
+def _selftest(replay: IncidentReplay, started: float) -> CheckResult:
     previous = replay.setup()
     outcomes, failures = {}, {}
     for name, (faults, variant) in SCENARIOS.items():

@@ -114,3 +114,41 @@ def test_audit_and_sentinel_matching():
     assert sentinel_seen("the code is k7q b2x m9t!", "K7Q-B2X-M9T")
     assert sentinel_seen("...B2XM9T...", "K7Q-B2X-M9T")  # two consecutive groups are enough
     assert not sentinel_seen("K7Q and M9T", "K7Q-B2X-M9T")
+
+
+SELFTEST_RUNS = """
+import json, os, threading
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "kvserve.settings")
+import django
+django.setup()
+from inference.loader import load_model
+from inference.memory import process_memory
+from incidents.canary.selftest import check_selftest
+model = load_model()  # no engine holds a model built from it: every run's sandbox must build one
+rows = []
+for i in range(3):
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("r", check_selftest(model)))  # as the suite runs a check
+    t.start(); t.join()
+    rows.append({"passed": out["r"].passed, **process_memory()})
+print(json.dumps(rows))
+"""
+
+
+@pytest.mark.timeout(400)
+def test_a_selftest_that_builds_its_own_model_hands_it_back():
+    """In a fresh process (what `manage.py canary` runs, or a worker whose engine is not on the CPU) each run
+    packs ~0.5 GB of model for its sandbox engines; freed and trimmed, the process's anonymous memory stays
+    where the first run left it (without the release it grows ~0.9 GB a run)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", SELFTEST_RUNS], capture_output=True, text=True, timeout=400,
+                         env={**os.environ, "KVSERVE_TORCH_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    assert all(r["passed"] for r in rows)
+    anon = [r["RssAnon"] >> 20 for r in rows]
+    assert max(anon) - anon[0] <= 100 and anon[0] < 1000, anon  # MB: no model's worth kept after a run

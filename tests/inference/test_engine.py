@@ -219,3 +219,19 @@ def test_abort_takes_out_a_done_sequence_that_still_holds_pages(tiny_model):
     assert seq.status is SeqStatus.FAILED and not engine.has_request("p") and not seq.block_table
     assert engine.block_manager.num_free() == 64 and len(engine.prefix_cache) == 0  # freed, never cached
     assert float(engine.pool.data.abs().sum()) == 0.0
+
+
+def test_engines_on_one_loaded_model_share_its_built_weights_until_the_last_is_gone(tiny_model, monkeypatch):
+    """A worker's engine and its canary sandbox's: one packed copy of the weights, not one per engine."""
+    import gc
+    import weakref
+
+    first, second = make_engine(tiny_model), make_engine(tiny_model, num_pages=8)
+    assert second.model is first.model and second.pool is not first.pool
+    monkeypatch.setenv("KVSERVE_CPU_GEMM", "blas")  # another packing is another model
+    assert make_engine(tiny_model).model is not first.model
+    monkeypatch.delenv("KVSERVE_CPU_GEMM")
+    built = weakref.ref(first.model)
+    del first, second
+    gc.collect()
+    assert built() is None  # freed with the last engine that held it
