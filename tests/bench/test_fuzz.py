@@ -1,0 +1,50 @@
+"""bench.fuzz's seeded short run (the real model, in process, on a real RedisLedger): every output equals its
+request run alone, no sentinel crosses, nothing is left in the engine or the pool; and the fuzzer does
+report a cross-request corruption (a prefix cache whose chain ignores the tokens) with a replay command."""
+import argparse
+
+import pytest
+
+import inference.prefix_cache as prefix_cache
+from bench.fuzz import Alone, fuzz_one, make_schedule
+
+SEED = 3  # its first schedules preempt, hit the prefix cache, evict and abort (asserted below)
+
+
+def args(**kw):
+    return argparse.Namespace(**{"requests": 5, "model": "real", "tie_margin": 0.01, **kw})
+
+
+@pytest.fixture(scope="module")
+def alone(real_model):
+    return Alone(real_model)
+
+
+@pytest.mark.timeout(300)
+def test_seeded_schedules_match_each_request_run_alone(real_model, alone, redis_client, ledger_prefix):
+    results = [fuzz_one(real_model, alone, SEED, k, args(), redis_client, ledger_prefix) for k in range(2)]
+    for r in results:
+        assert r["divergences"] == [] and r["foreign_sightings"] == [] and r["problems"] == [], r
+        assert r["passed"]
+    total = {k: sum(r[k] for r in results) for k in ("preemptions", "prefix_hits", "evicted_pages", "aborted",
+                                                      "echoed_own_sentinel")}
+    assert all(total.values()), f"the seed no longer exercises everything: {total}"
+
+
+def test_schedules_are_reproducible_from_seed_and_index(real_model):
+    a, b = make_schedule(real_model.tokenizer, SEED, 1, 5), make_schedule(real_model.tokenizer, SEED, 1, 5)
+    assert [r.describe() for r in a.reqs] == [r.describe() for r in b.reqs] and a.num_pages == b.num_pages
+    assert [r.prompt_ids for r in a.reqs] == [r.prompt_ids for r in b.reqs]
+    assert [r.describe() for r in make_schedule(real_model.tokenizer, SEED, 2, 5).reqs] != [r.describe() for r in a.reqs]
+
+
+@pytest.mark.timeout(300)
+def test_a_prefix_cache_that_ignores_the_tokens_is_a_divergence_with_a_replay(real_model, alone, redis_client,
+                                                                               ledger_prefix, monkeypatch):
+    real_chain = prefix_cache.chain_keys
+    monkeypatch.setattr(prefix_cache, "chain_keys",
+                        lambda salt, tokens, page_size, n: real_chain(salt, [0] * len(tokens), page_size, n))
+    r = fuzz_one(real_model, alone, SEED, 0, args(), redis_client, ledger_prefix)
+    assert not r["passed"] and r["divergences"], r
+    assert r["replay"] == f"python -m bench.fuzz --seed {SEED} --schedule 0"
+    assert all(not d["tolerated"] for d in r["divergences"])
