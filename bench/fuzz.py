@@ -42,14 +42,14 @@ from inference.sequence import SamplingParams
 
 REDIS_URL = os.environ.get("KVSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 TENANTS = ("fuzz-a", "fuzz-b")
-PAGE_SIZE = 16
+PAGE_SIZE = 16  # the alone runs' (a schedule draws its own: 4, 8 or 16)
 SYSTEMS = [  # shared prefixes: long enough to fill whole pages, drawn by both tenants
     "You are a careful assistant for a bank. Never reveal one customer's data to another customer. "
     "Answer briefly and politely, in plain English, without markdown. " * 2,
     "You are a terse assistant. You repeat codes exactly as written and add nothing else to them. " * 3,
     "You are a storyteller who writes short stories about dragons, rivers, mountains and old cities. " * 4,
 ]
-ASKS = ["Repeat the code exactly.", "What is the code? Answer with the code only.",
+ASKS = ["Repeat the code exactly.", "Repeat the code exactly.", "What is the code? Answer with the code only.",
         "Write one sentence that contains the code.", "Tell a short story about a dragon who guards the code.",
         "Spell the code, then say goodbye."]
 FILLER = " The weather in the mountains was calm and the river was quiet that day."
@@ -94,6 +94,7 @@ class Req:
 class Schedule:
     seed: int
     index: int
+    page_size: int
     num_pages: int
     chunk_size: int
     max_num_seqs: int
@@ -109,7 +110,7 @@ def make_schedule(tokenizer, seed: int, index: int, max_requests: int) -> Schedu
         user = f"The secret code is {sentinel}.{FILLER * rng.choice([0, 0, 1, 2, 4])} {rng.choice(ASKS)}"
         ids = tokenizer.encode_chat([{"role": "system", "content": rng.choice(SYSTEMS)}, {"role": "user", "content": user}])
         stop = (rng.choice(STOPS),) if rng.random() < 0.3 else ()
-        params = SamplingParams(max_tokens=rng.choice([4, 6, 8, 12, 16]), stop=stop, seed=0, tenant=tenant)
+        params = SamplingParams(max_tokens=rng.choice([6, 12, 16, 20]), stop=stop, seed=0, tenant=tenant)
         r = Req(f"s{index}-r{i}", tenant, sentinel, ids, params, arrive=rng.choice([0, 0, 0, 1, 2, 4, 8, 16]))
         roll = rng.random()
         if roll < 0.12:
@@ -117,12 +118,13 @@ def make_schedule(tokenizer, seed: int, index: int, max_requests: int) -> Schedu
         elif roll < 0.24:
             r.disconnect_after = rng.randint(1, max(1, params.max_tokens // 2))
         reqs.append(r)
-    need = max(cdiv(len(r.prompt_ids) + r.params.max_tokens, PAGE_SIZE) for r in reqs)
-    prompts = sorted((cdiv(len(r.prompt_ids), PAGE_SIZE) for r in reqs), reverse=True)
+    page_size = rng.choice([4, 8, 16])
+    need = max(cdiv(len(r.prompt_ids) + r.params.max_tokens, page_size) for r in reqs)
+    prompts = sorted((cdiv(len(r.prompt_ids), page_size) for r in reqs), reverse=True)
     # two prompts that fit but cannot both grow (preemption), up to roomy enough to keep a prefix cache
-    num_pages = max(need, prompts[0] + prompts[1] + rng.choice([0, 1])) if rng.random() < 0.5 else \
-        need + rng.choice([1, 2, 4, 8, 16])
-    return Schedule(seed, index, num_pages, rng.choice([16, 32, 64, 512]), rng.choice([2, 3, 4, 8]), reqs)
+    num_pages = max(need, prompts[0] + prompts[1] + rng.choice([0, 1, 2])) if rng.random() < 0.6 else \
+        need + rng.choice([1, 2, 4, 8, 16]) * 16 // page_size
+    return Schedule(seed, index, page_size, num_pages, rng.choice([16, 32, 64, 512]), rng.choice([2, 3, 4, 8]), reqs)
 
 
 class Alone:
@@ -172,11 +174,11 @@ def run_schedule(model, sch: Schedule, client, prefix: str, max_steps: int = 500
     ledgers = []
 
     def allocator(n):
-        ledgers.append(HostLedger(RedisLedger.register(client, pool_id, "decode", n, PAGE_SIZE, prefix=prefix,
+        ledgers.append(HostLedger(RedisLedger.register(client, pool_id, "decode", n, sch.page_size, prefix=prefix,
                                                        lease_ttl_s=600)))
         return ledgers[0]
 
-    engine = Engine(model, EngineConfig(num_pages=sch.num_pages, page_size=PAGE_SIZE, chunk_size=sch.chunk_size,
+    engine = Engine(model, EngineConfig(num_pages=sch.num_pages, page_size=sch.page_size, chunk_size=sch.chunk_size,
                                         max_num_seqs=sch.max_num_seqs, prefix_cache=True), allocator_factory=allocator)
     evictions = Counting(engine.prefix_cache)
     problems = []
@@ -255,7 +257,7 @@ def fuzz_one(model, alone: Alone, seed: int, index: int, args, client, prefix: s
             diff["request"] = r.describe()
             (ties if diff["tolerated"] else divergences).append(diff)
     replay = f"python -m bench.fuzz --seed {seed} --schedule {index}" + (" --model tiny" if args.model == "tiny" else "")
-    return {"seed": seed, "schedule": index, "requests": len(sch.reqs), "num_pages": sch.num_pages,
+    return {"seed": seed, "schedule": index, "requests": len(sch.reqs), "page_size": sch.page_size, "num_pages": sch.num_pages,
             "chunk_size": sch.chunk_size, "max_num_seqs": sch.max_num_seqs,
             "aborted": sum(r.aborted for r in sch.reqs), "stops": sum(bool(r.params.stop) for r in sch.reqs),
             "echoed_own_sentinel": echoed, **ran, "divergences": divergences, "near_ties": ties,
@@ -302,7 +304,7 @@ def main(argv=None) -> int:
                 break
             res = fuzz_one(model, alone, seed, k, args, client, prefix)
             results.append(res)
-            print(f"seed {seed} schedule {k}: {res['requests']} requests, {res['num_pages']} pages, "
+            print(f"seed {seed} schedule {k}: {res['requests']} requests, {res['num_pages']} pages of {res['page_size']}, "
                   f"{res['preemptions']} preemptions, {res['prefix_hits']} prefix hits, {res['evicted_pages']} evicted, "
                   f"{res['aborted']} aborted, {len(res['divergences'])} divergences, {len(res['near_ties'])} near ties, "
                   f"{len(res['foreign_sightings'])} foreign, {res['wall_s']:.1f} s: {'ok' if res['passed'] else 'FAIL'}",

@@ -14,7 +14,7 @@ the pools to drain and reports:
 - false critical incidents (no fault here is a real violation) and canary runs (passed / failed);
 - pages stranded after drain, per pool: held = live + cached, so with nothing live every owned or dirty page
   outside the prefix cache is stranded (bench.chaos_stack.pool_report), and check_integrity;
-- each process's RSS (VmRSS of /proc/<pid>/status) at start, after warm-up (--warmup requests done) and at the end.
+- each process's RSS (VmRSS of /proc/<pid>/status) at the first answer, after warm-up (--warmup requests done) and at the end.
 
 Targets: 0 lost, 0 foreign sightings, 0 false critical incidents, 0 stranded pages, integrity ok, RSS growth
 <= 5 % from warm-up to the end. Prints a table and ends with one JSON line.
@@ -222,6 +222,8 @@ async def soak(stack: SoakStack, args, planted: set[str], figures: dict) -> list
 
     def on_done():
         done[0] += 1
+        if done[0] == 1:  # every process (beat too) has started and served
+            figures["rss_kb_start"] = stack.rss()
         if done[0] == args.warmup:
             figures["rss_kb_warm"] = stack.rss()
         if done[0] % max(1, args.requests // 20) == 0:
@@ -292,7 +294,6 @@ def run(args) -> dict:
         log(f"stack up in {figures['stack_start_s']:.0f} s; logs in {workdir}")
         incident_base = stack.max_incident_id()
         started = time.time()
-        figures["rss_kb_start"] = stack.rss()
         calls = asyncio.run(soak(stack, args, planted, figures))
         stack.canary_schedule(args.canary_every_s, args.canary_checks, enabled=False)
         figures["canary_idle"] = wait_canary_idle(stack, started, timeout_s=300)

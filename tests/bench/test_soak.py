@@ -1,0 +1,43 @@
+"""bench.soak's short subset through real processes (its own redis-server, Celery prefill + decode workers, web,
+beat): two tenants, streamed and not, client disconnects, Redis client connections killed, the canary on its
+beat schedule; then the targets that must hold however short the run: nothing lost, no foreign sentinel,
+no false critical incident, no page stranded after drain, every pool intact. (RSS growth is reported, not
+asserted: a couple of minutes is no steady state.)"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bench.soak import rss_growth, vm_rss_kb
+from tests.e2e.stack import ROOT
+
+
+def test_vm_rss_is_read_from_proc_and_growth_is_relative_to_warm_up():
+    assert vm_rss_kb(os.getpid()) > 1000
+    assert vm_rss_kb(2**22 + 7) is None  # no such process
+    assert rss_growth({"a": 1000, "b": 200}, {"a": 1050, "b": None}) == {"a": 0.05, "b": None}
+
+
+@pytest.mark.timeout(420)
+def test_short_soak_meets_its_targets(tmp_path, real_model):
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.soak", "--requests", "200", "--concurrency", "8", "--max-tokens", "4,8,12",
+         "--kill-every-s", "15", "--canary-every-s", "25", "--canary-checks", "live_probes,marker,integrity",
+         "--bound-s", "90", "--workdir", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=400, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.stdout.strip(), out.stderr[-4000:]
+    f = json.loads(out.stdout.strip().splitlines()[-1])
+    logs = out.stdout[-3000:] + out.stderr[-3000:]
+    # the run exercised what it claims to
+    assert f["requests"] == 200 and f["done"] >= 100, logs
+    assert f["redis_kills"] >= 2 and f["redis_connections_killed"] > 0, logs
+    assert f["canary_runs"] >= 1 and f["disconnected"] >= 5 and 0 < f["streamed"] < 200, logs
+    # the targets
+    assert f["lost"] == 0, f["lost_detail"]
+    assert f["foreign_sightings"] == 0, f["foreign_detail"]
+    assert f["false_critical_incidents"] == 0, f["critical_detail"]
+    assert f["stranded_pages"] == 0, f["stranded_detail"]
+    assert f["integrity"] == "ok", f["integrity"]
+    assert f["quarantined_at_end"] == [], logs
