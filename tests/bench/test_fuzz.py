@@ -8,11 +8,11 @@ import pytest
 import inference.prefix_cache as prefix_cache
 from bench.fuzz import Alone, fuzz_one, make_schedule
 
-SEED = 3  # its first schedules preempt, hit the prefix cache, evict and abort (asserted below)
+SEED = 13  # its schedule 0 preempts, hits the prefix cache, evicts, aborts and echoes a sentinel (asserted below)
 
 
 def args(**kw):
-    return argparse.Namespace(**{"requests": 5, "model": "real", "tie_margin": 0.01, **kw})
+    return argparse.Namespace(**{"requests": 4, "model": "real", "tie_margin": 0.01, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -21,21 +21,19 @@ def alone(real_model):
 
 
 @pytest.mark.timeout(300)
-def test_seeded_schedules_match_each_request_run_alone(real_model, alone, redis_client, ledger_prefix):
-    results = [fuzz_one(real_model, alone, SEED, k, args(), redis_client, ledger_prefix) for k in range(2)]
-    for r in results:
-        assert r["divergences"] == [] and r["foreign_sightings"] == [] and r["problems"] == [], r
-        assert r["passed"]
-    total = {k: sum(r[k] for r in results) for k in ("preemptions", "prefix_hits", "evicted_pages", "aborted",
-                                                      "echoed_own_sentinel")}
-    assert all(total.values()), f"the seed no longer exercises everything: {total}"
+def test_a_seeded_schedule_matches_each_request_run_alone(real_model, alone, redis_client, ledger_prefix):
+    r = fuzz_one(real_model, alone, SEED, 0, args(), redis_client, ledger_prefix)
+    assert r["divergences"] == [] and r["foreign_sightings"] == [] and r["problems"] == [], r
+    assert r["passed"]
+    exercised = {k: r[k] for k in ("preemptions", "prefix_hits", "evicted_pages", "aborted", "echoed_own_sentinel")}
+    assert all(exercised.values()), f"the seed no longer exercises everything: {exercised}"
 
 
 def test_schedules_are_reproducible_from_seed_and_index(real_model):
-    a, b = make_schedule(real_model.tokenizer, SEED, 1, 5), make_schedule(real_model.tokenizer, SEED, 1, 5)
+    a, b = make_schedule(real_model.tokenizer, SEED, 1, 4), make_schedule(real_model.tokenizer, SEED, 1, 4)
     assert [r.describe() for r in a.reqs] == [r.describe() for r in b.reqs] and a.num_pages == b.num_pages
     assert [r.prompt_ids for r in a.reqs] == [r.prompt_ids for r in b.reqs]
-    assert [r.describe() for r in make_schedule(real_model.tokenizer, SEED, 2, 5).reqs] != [r.describe() for r in a.reqs]
+    assert [r.describe() for r in make_schedule(real_model.tokenizer, SEED, 2, 4).reqs] != [r.describe() for r in a.reqs]
 
 
 @pytest.mark.timeout(300)
