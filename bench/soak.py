@@ -27,7 +27,6 @@ import logging
 import os
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -272,6 +271,12 @@ def judge(stack: SoakStack, calls: list[Call], planted: set[str], began: float, 
             "foreign_sightings": len(foreign), "foreign_detail": foreign[:10]}
 
 
+def checks_of(run: dict) -> list[dict]:
+    """A CanaryRun's checks: JSON text on SQLite, a list on PostgreSQL."""
+    checks = run["checks"]
+    return json.loads(checks or "[]") if isinstance(checks, str) else checks or []
+
+
 def rss_growth(warm: dict, end: dict) -> dict[str, float | None]:
     return {n: (end[n] - warm[n]) / warm[n] if warm.get(n) and end.get(n) else None for n in end}
 
@@ -308,8 +313,8 @@ def run(args) -> dict:
         figures["quarantined_at_end"] = stack.quarantined()
         runs = stack.canary_runs(started)
         figures["canary_runs"] = len(runs)
-        figures["canary_failed"] = [{"run": r["id"], "checks": [c["name"] for c in json.loads(r["checks"] or "[]")
-                                                                if not c.get("passed")]} for r in runs if r["finished"] and not r["passed"]]
+        figures["canary_failed"] = [{"run": r["id"], "checks": [c["name"] for c in checks_of(r) if not c.get("passed")]}
+                                    for r in runs if r["finished"] and not r["passed"]]
         figures["stranded_pages"] = sum(p["owned"] + p["dirty"] for p in pools.values())
         figures["stranded_detail"] = {pid: {k: p[k] for k in ("owned", "dirty", "cached", "owners")}
                                       for pid, p in pools.items() if p["owned"] or p["dirty"]}

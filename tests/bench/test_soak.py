@@ -21,19 +21,21 @@ def test_vm_rss_is_read_from_proc_and_growth_is_relative_to_warm_up():
 
 
 @pytest.mark.timeout(420)
-def test_short_soak_meets_its_targets(tmp_path, real_model):
+def test_short_soak_meets_its_targets(tmp_path):
+    # the tiny random-weight model: the soak measures serving, not text (bench.soak's default is the real model)
     out = subprocess.run(
-        [sys.executable, "-m", "bench.soak", "--requests", "200", "--concurrency", "8", "--max-tokens", "4,8,12",
-         "--kill-every-s", "15", "--canary-every-s", "25", "--canary-checks", "live_probes,marker,integrity",
+        [sys.executable, "-m", "bench.soak", "--model", "tiny", "--requests", "150", "--concurrency", "8",
+         "--max-tokens", "4,8,16", "--kill-every-s", "10", "--canary-every-s", "20",
+         "--canary-checks", "live_probes,marker,integrity",
          "--bound-s", "90", "--workdir", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=400, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert out.stdout.strip(), out.stderr[-4000:]
     f = json.loads(out.stdout.strip().splitlines()[-1])
     logs = out.stdout[-3000:] + out.stderr[-3000:]
     # the run exercised what it claims to
-    assert f["requests"] == 200 and f["done"] >= 100, logs
+    assert f["requests"] == 150 and f["done"] >= 75, logs
     assert f["redis_kills"] >= 2 and f["redis_connections_killed"] > 0, logs
-    assert f["canary_runs"] >= 1 and f["disconnected"] >= 5 and 0 < f["streamed"] < 200, logs
+    assert f["canary_runs"] >= 1 and f["disconnected"] >= 3 and 0 < f["streamed"] < 150, logs
     # the targets
     assert f["lost"] == 0, f["lost_detail"]
     assert f["foreign_sightings"] == 0, f["foreign_detail"]
