@@ -27,6 +27,7 @@ import logging
 import os
 import random
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -360,6 +361,7 @@ def main(argv=None) -> int:
     parser.add_argument("--workdir", help="keep logs, database and Redis dir here (default: a temp dir, removed)")
     args = parser.parse_args(argv)
     args.warmup = args.warmup if args.warmup is not None else max(1, args.requests // 10)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a terminated soak still closes its stack
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "kvserve.settings")
     import django
 
