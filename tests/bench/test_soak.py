@@ -24,7 +24,7 @@ def test_vm_rss_is_read_from_proc_and_growth_is_relative_to_warm_up():
 def test_short_soak_meets_its_targets(tmp_path):
     # the tiny random-weight model: the soak measures serving, not text (bench.soak's default is the real model)
     cmd = [sys.executable, "-m", "bench.soak", "--model", "tiny", "--requests", "150", "--seconds", "200",
-           "--concurrency", "8", "--max-tokens", "4,8,16", "--kill-every-s", "10", "--canary-every-s", "20",
+           "--concurrency", "8", "--max-tokens", "4,8,16", "--kill-every-s", "3", "--canary-every-s", "8",
            "--canary-checks", "live_probes,marker,integrity", "--bound-s", "90", "--workdir", str(tmp_path)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
