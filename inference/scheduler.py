@@ -9,11 +9,17 @@ scrubbed like a finished sequence's, and it goes back to the front of the queue 
 of its prompt and the tokens it had generated). Admission itself is unchanged: a request whose prompt +
 max_tokens can never fit the pool is refused before any page is taken, so a sequence alone always fits.
 New requests are picked round-robin across tenants (inference.fair_queue), FIFO within a tenant.
+
+The probe reserve: while other sequences run, `probe_reserve_pages` pages are left free for canary-probe
+requests (ids starting with inference.probes.CANARY_PROBE_PREFIX): admissions leave them free, and growth
+that would take them preempts as a shortage does. A probe may take them, and never waits behind preempted
+sequences, so the canary's valid handoff is judged on a worker whose pool is full (kvserve/probe_lane.py).
 """
 from dataclasses import dataclass
 
 from inference.block_manager import BlockManager
 from inference.fair_queue import TenantQueues
+from inference.probes import CANARY_PROBE_PREFIX
 from inference.sequence import Sequence, SeqStatus
 
 
@@ -29,17 +35,18 @@ class RequestTooLarge(Exception):
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, chunk_size: int = 512, max_num_seqs: int = 64,
-                 watermark_pages: int = 0, reserve_whole: bool = False):
+                 watermark_pages: int = 0, reserve_whole: bool = False, probe_reserve_pages: int = 0):
         self.block_manager = block_manager
         self.chunk_size = chunk_size
         self.max_num_seqs = max_num_seqs
         self.watermark_pages = watermark_pages  # free pages admission leaves for running sequences to grow into
         self.reserve_whole = reserve_whole  # bench.ondemand's baseline only: prompt + max_tokens at admission
+        self.probe_reserve_pages = probe_reserve_pages  # free pages kept for canary probes while others run
         # round-robin across tenants, FIFO within one; a preempted sequence goes first (inference.fair_queue)
         self.waiting: TenantQueues[Sequence] = TenantQueues()
         # gives a waiting sequence its pages (False: not now); the prefix cache replaces it to reuse pages
         self.admit = lambda seq: block_manager.allocate(seq, self.pages_to_admit(seq, seq.num_tokens),
-                                                        self.admission_keep_free())
+                                                        self.admission_keep_free(seq))
         self.active: list[Sequence] = []  # PREFILLING or RUNNING, in admission order
         self.preempted: list[Sequence] = []  # preempted by the last schedule() (the engine drops their rows)
         self.num_preemptions = 0
@@ -69,9 +76,23 @@ class Scheduler:
             return max(0, seq.num_pages_needed(self.block_manager.page_size) - len(seq.block_table))
         return self.block_manager.pages_short(seq, num_tokens)
 
-    def admission_keep_free(self) -> int:
-        """Free pages an admission must leave: the watermark, unless nothing runs (a sequence alone fits)."""
-        return self.watermark_pages if self.active else 0
+    def admission_keep_free(self, seq: Sequence) -> int:
+        """Free pages admitting `seq` must leave: the watermark and the probe reserve, unless nothing runs (a
+        sequence alone fits); a probe may take them all."""
+        return 0 if is_probe(seq) else self.watermark_pages + self.probe_reserve(self.active)
+
+    def probe_reserve(self, others: list[Sequence]) -> int:
+        """Pages kept free for probes beside `others`: none when nothing else runs, or only probes do."""
+        return self.probe_reserve_pages if any(not is_probe(s) for s in others) else 0
+
+    def growth_keep_free(self) -> int:
+        """Free pages growth must leave: the probe reserve while two sequences that are no probes run (one
+        alone always fits: growth then preempts down to it)."""
+        return self.probe_reserve_pages if sum(not is_probe(s) for s in self.active) > 1 else 0
+
+    def waits_for_preempted(self, seq: Sequence) -> bool:
+        """Whether `seq` must wait for preempted sequences to resume first (a probe never does)."""
+        return bool(self.waiting) and not is_probe(seq)
 
     # ---- one step ---------------------------------------------------------------------------
     def schedule(self) -> list[ScheduledChunk]:
@@ -109,9 +130,11 @@ class Scheduler:
                      and (n := self.block_manager.pages_short(s, s.num_cached + 1))]
             if not grows:
                 return set()
-            if self.block_manager.append_slots(grows):  # still short: its lease was lost (its worker fails it)
+            keep = self.growth_keep_free()
+            fits = not keep or self.block_manager.can_append(grows, keep)
+            if fits and self.block_manager.append_slots(grows):  # still short: its lease was lost (its worker fails it)
                 return {s for s, _ in grows if self.block_manager.pages_short(s, s.num_cached + 1)}
-            if self.block_manager.can_append(grows):
+            if fits and self.block_manager.can_append(grows):  # refused or unreachable: not a shortage
                 return {s for s, _ in grows}
             self.preempt(self.active[-1])
 
@@ -136,3 +159,7 @@ class Scheduler:
         self.remove(seq)
         if seq.status is not SeqStatus.PREFILLED:
             self.block_manager.deallocate(seq)
+
+
+def is_probe(seq: Sequence) -> bool:
+    return seq.request_id.startswith(CANARY_PROBE_PREFIX)
