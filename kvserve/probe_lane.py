@@ -44,7 +44,8 @@ class ProbeLane(bootsteps.ConsumerStep):
     def get_consumers(self, channel):
         from kvserve.chat.runtime import runtime_worker_id
 
-        if runtime_worker_id() is None:
+        if runtime_worker_id() is None:  # web, beat or a maintenance-only worker: nothing to probe here
+            channel.close()
             return []
         channel.basic_qos(0, self.size, False)  # this channel's own prefetch: what the lane's threads can run
         log.info("probe lane: consuming %s with %d thread(s)", probe_queue(self.hostname).name, self.size)
