@@ -4,6 +4,7 @@ matching check fails, an incident names that worker, and the worker is quarantin
 import json
 import os
 import sqlite3
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -256,25 +257,41 @@ def busy_stack(tmp_path, tiny_paths):
         s.close()
 
 
+def decoding(stack) -> int:
+    """Client requests decoding now: each holds one of the decode worker's Celery threads."""
+    return stack.sql("select count(*) from chat_chatrequest where status = 'decoding' "
+                     "and id not like 'canary-probe-%'")[0][0]
+
+
 @pytest.mark.timeout(900)
 def test_a_saturated_decode_worker_is_judged_through_its_probe_lane_and_never_quarantined(busy_stack):
-    """Both of the decode worker's Celery threads hold a long stream and its pool is near full: the live probes
-    still reach it (its probe lane) and its valid handoff still gets pages (the engine's probe reserve), so every
-    probe is judged and passes; nothing is recorded, nothing quarantined, and the streams are served throughout."""
+    """Both of the decode worker's Celery threads hold a long stream (more wait in its queue) and its pool is near
+    full: the live probes still reach it (its probe lane) and its valid handoff still gets pages (the engine's
+    probe reserve), so every probe is judged and passes; nothing is recorded, nothing quarantined, and the
+    streams are served throughout."""
     s = busy_stack
-    with ThreadPoolExecutor(2) as pool:
-        streams = [pool.submit(stream_chat, s, f"Story {i}. " + "the sea is wide " * 68, 1000) for i in range(2)]
+    samples, stop = [], threading.Event()
+
+    def sample():
+        while not stop.wait(0.5):
+            samples.append(decoding(s))
+
+    with ThreadPoolExecutor(6) as pool:
+        streams = [pool.submit(stream_chat, s, f"Story {i}. " + "the sea is wide " * 68, 1000) for i in range(6)]
         deadline = time.monotonic() + 300
-        while not (s.sql("select count(*) from chat_chatrequest where status = 'decoding'")[0][0] == 2
-                   and decode_pool_use(s) >= 0.8):
+        while not (decoding(s) == 2 and decode_pool_use(s) >= 0.8):
             assert time.monotonic() < deadline and not any(f.done() for f in streams), s.tail("decode")
             time.sleep(0.5)
-        began, use = time.monotonic(), decode_pool_use(s)
+        use, sampler = decode_pool_use(s), threading.Thread(target=sample, daemon=True)
+        began = time.monotonic()
+        sampler.start()
         rc, check, log = live_probes(s)
         ended = time.monotonic()
-        busy = s.sql("select count(*) from chat_chatrequest where status = 'decoding' and id not like 'canary-probe-%'")
+        stop.set()
+        sampler.join()
         results = [f.result() for f in streams]
-    assert busy == [(2,)], "the streams ended before the canary did: the worker was not saturated throughout"
+    # saturated throughout: both threads held a client stream (a handover between two streams aside)
+    assert samples and sum(n == 2 for n in samples) >= 0.8 * len(samples), samples
     assert use >= 0.8
     assert rc == 0 and check["outcome"] == "passed", log
     (decode,) = [w for w in check["details"]["workers"].values() if w["role"] == "decode"]
@@ -283,7 +300,7 @@ def test_a_saturated_decode_worker_is_judged_through_its_probe_lane_and_never_qu
     assert cases["valid"]["got"]["status"] == "done"
     assert rows(s, "select count(*) from incidents_incident") == [(0,)]
     assert not any(s.registry().is_quarantined(w.worker_id) for w in s.registry().live_workers())
-    for r in results:  # served throughout: both streams end normally, and content came while the canary ran
+    for r in results:  # served throughout: every stream ends normally, and content came while the canary ran
         assert r["status"] == 200 and r["error"] is None and r["finish"] in ("length", "stop"), r
     assert any(began <= t <= ended for r in results for t in r["deltas"])
     with urllib.request.urlopen(f"{s.url}/healthz", timeout=10) as h:
