@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from incidents.canary.live import broker_queue_lengths
+from incidents.canary.result import OUTCOMES, outcome_stored
 from incidents.models import CanaryRun
 from inference import metrics as aggregated
 from inference.ledger import pool_counts
@@ -126,6 +127,9 @@ def canary_families(scrape: dict):
     checks = [c for c in (run.checks or []) if isinstance(c, dict) and "name" in c] if run else []
     yield _gauge("kvserve_canary_check_passed", "1 when the check passed in the latest canary run", ["check"],
                  [((str(c["name"]),), int(bool(c.get("passed")))) for c in checks])
+    yield _gauge("kvserve_canary_check_outcome", "1 for the outcome of each check in the latest canary run "
+                 "(passed; wrong: critical; not_judged: busy, unreachable, timed out, vacuous)", ["check", "outcome"],
+                 [((str(c["name"]), outcome), int(outcome_stored(c) == outcome)) for c in checks for outcome in OUTCOMES])
     yield _gauge("kvserve_canary_check_duration_seconds", "Duration of each check in the latest canary run",
                  ["check"], [((str(c["name"]),), float(c["duration_s"])) for c in checks
                              if isinstance(c.get("duration_s"), (int, float))])

@@ -4,17 +4,19 @@ import time
 import redis
 from django.urls import reverse
 
+from incidents.canary.result import outcome_of_run, outcome_stored
 from incidents.models import CanaryRun, Incident
 from incidents.pools import pool_state_list
 from kvserve.workers import registry_get
 
 
 def _per_worker(details) -> dict:
-    """{worker: {probe: passed}} for a check whose details list live probes per worker (live_probes)."""
+    """{worker: {probe: outcome}} for a check whose details list live probes per worker (live_probes)."""
     workers = details.get("workers") if isinstance(details, dict) else None
     if not isinstance(workers, dict):
         return {}
-    return {w: {name: bool(r.get("ok")) for name, r in v["checks"].items() if isinstance(r, dict)}
+    return {w: {name: outcome_stored({"outcome": r.get("outcome"), "passed": r.get("ok")})
+                for name, r in v["checks"].items() if isinstance(r, dict)}
             for w, v in workers.items() if isinstance(v, dict) and isinstance(v.get("checks"), dict)}
 
 
@@ -22,12 +24,13 @@ def canary_latest_get() -> dict | None:
     run = CanaryRun.objects.first()  # ordered newest first
     if run is None:
         return None
-    checks = [{"name": str(c.get("name", "?")), "passed": bool(c.get("passed")), "duration_s": c.get("duration_s"),
-               "details": c.get("details", {}), "per_worker": _per_worker(c.get("details", {}))}
-              for c in (run.checks or []) if isinstance(c, dict)]
+    stored = [c for c in (run.checks or []) if isinstance(c, dict)]
+    checks = [{"name": str(c.get("name", "?")), "passed": bool(c.get("passed")), "outcome": outcome_stored(c),
+               "duration_s": c.get("duration_s"), "details": c.get("details", {}),
+               "per_worker": _per_worker(c.get("details", {}))} for c in stored]
     return {"id": run.pk, "started_at": run.started_at.isoformat(),
             "finished_at": run.finished_at.isoformat() if run.finished_at else None,
-            "passed": run.passed, "checks": checks}
+            "passed": run.passed, "outcome": outcome_of_run(stored), "checks": checks}
 
 
 def incident_open_list(limit: int = 50) -> list[dict]:

@@ -2,6 +2,7 @@
 incident on a worker quarantines that worker in the registry until an admin calls `worker_release`.
 """
 import logging
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from django.db import transaction
 from django.utils import timezone
@@ -126,7 +127,9 @@ def probe_run(name: str, probe_id: str) -> None:
     runtime = runtime_get()
     try:
         result = runtime.probe(name)
-    except Exception as exc:
+    except FutureTimeout:
+        result = {"ok": False, "reason": "timed out: the engine loop did not run the probe in time"}
+    except Exception as exc:  # no answer to the probe's question: not judged (incidents/canary/probes.py)
         log.exception("canary probe %s failed in this worker", name)
-        result = {"ok": False, "reason": f"the probe raised {type(exc).__name__}: {exc}"}
+        result = {"ok": False, "reason": f"error: the probe raised {type(exc).__name__}: {exc}"}
     probe_record(probe_id, {"probe": name, "worker": runtime.worker_id, "role": runtime.role, **result})

@@ -93,9 +93,10 @@ class BlockManager:
         """How many pages `seq` lacks to hold K/V for its first `num_tokens` tokens."""
         return max(0, cdiv(num_tokens, self.page_size) - len(seq.block_table))
 
-    def can_append(self, grows: list[tuple[Sequence, int]]) -> bool:
-        """Whether the pool has the pages `grows` asks for (an unreachable ledger counts as yes: not a shortage)."""
-        free, need = self.allocator.num_free(), sum(n for _, n in grows)
+    def can_append(self, grows: list[tuple[Sequence, int]], keep_free: int = 0) -> bool:
+        """Whether the pool has the pages `grows` asks for, leaving `keep_free` free (an unreachable ledger
+        counts as yes: not a shortage)."""
+        free, need = self.allocator.num_free(), sum(n for _, n in grows) + keep_free
         if free is not None and free < need and self.prefix_cache is not None:  # cached pages go before anyone
             self.prefix_cache.evict(need)                                        # running is preempted
             free = self.allocator.num_free()

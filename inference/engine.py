@@ -29,6 +29,10 @@ class DuplicateRequest(ValueError):
     """A request id the engine already holds: the second copy is refused, the first is left alone."""
 
 
+# pages kept free for canary probes while other sequences run: the live probes' valid handoff (3 pages, one more
+# as it decodes) or guard probe (3 pages) fits (incidents/canary/probes.py)
+PROBE_RESERVE_PAGES = 4
+
 @dataclass
 class StepEvent:
     seq: Sequence
@@ -65,6 +69,7 @@ class EngineConfig:
     pool_mb: int | None = None  # size the pool by memory instead of num_pages
     prefix_cache: bool = False  # keep finished prompts' full pages for requests of the same scope (salt)
     watermark: float = 0.01  # fraction of the pool admission leaves free for running sequences to grow into
+    probe_reserve_pages: int = 0  # pages kept free for canary probes while other sequences run (scheduler)
     reserve_whole: bool = False  # bench.ondemand's baseline only: reserve prompt + max_tokens at admission
 
     def pages_for(self, mc, dtype) -> int:
@@ -81,6 +86,8 @@ class EngineConfig:
         values = engine_settings()  # inference/settings.py: strict, SettingError naming the variable
         values.update(device=values["device"] or ("cuda" if torch.cuda.is_available() else "cpu"),
                       faults=Faults.from_env())
+        if values["probe_reserve_pages"] is None:
+            values["probe_reserve_pages"] = PROBE_RESERVE_PAGES
         values.update(overrides)
         return cls(**values)
 
@@ -118,14 +125,18 @@ class Engine:
         self.block_manager = BlockManager(allocator, self.pool, config.scrub_policy, config.faults)
         if not 0 <= config.watermark < 1:
             raise ValueError(f"watermark {config.watermark}: a fraction of the pool in [0, 1)")
+        if not 0 <= config.probe_reserve_pages < num_pages:
+            raise ValueError(f"KVSERVE_PROBE_RESERVE_PAGES={config.probe_reserve_pages}: set it to 0 or more and "
+                             f"fewer than the pool's {num_pages} pages")
         self.scheduler = Scheduler(self.block_manager, config.chunk_size, config.max_num_seqs,
                                    watermark_pages=int(num_pages * config.watermark),
-                                   reserve_whole=config.reserve_whole)
+                                   reserve_whole=config.reserve_whole,
+                                   probe_reserve_pages=config.probe_reserve_pages)
         self.prefix_cache = PrefixCache(self.block_manager) if config.prefix_cache else None
         if self.prefix_cache is not None:
             pc, sched = self.prefix_cache, self.scheduler
             sched.admit = lambda seq: pc.admit(seq, lambda s: sched.pages_to_admit(s, s.num_tokens),
-                                               sched.admission_keep_free())
+                                               sched.admission_keep_free(seq))
         self.runner = StepBuilder(self.pool, fresh_reads_pool=self.attention_backend == "xformers")
         self.window = config.window or mc.max_position
         self.tokenizer = model.tokenizer
@@ -215,11 +226,11 @@ class Engine:
         reason = self.admission_error(len(prompt_ids), params.max_tokens)
         if reason:
             raise RequestTooLarge(reason)
-        if self.scheduler.waiting:
-            return None
         seq = Sequence(request_id, prompt_ids, params)
+        if self.scheduler.waits_for_preempted(seq):
+            return None
         num_pages = max(blob.shape[0], self.scheduler.pages_to_admit(seq, len(prompt_ids)))
-        if not self.block_manager.allocate(seq, num_pages, self.scheduler.admission_keep_free()):
+        if not self.block_manager.allocate(seq, num_pages, self.scheduler.admission_keep_free(seq)):
             return None
         self.pool.import_pages(seq.block_table[: blob.shape[0]], blob)
         self.block_manager.mark_written(seq, len(prompt_ids) if num_transferred is None else num_transferred)

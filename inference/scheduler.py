@@ -17,12 +17,18 @@ alone uses every slot and page, and another one's request is not queued behind i
 that does not fit the pages free now keeps its turn, but does not hold back smaller requests forever:
 others that fit may pass it, taking at most as many pages in all as the head needs (bounded bypass); then
 nothing passes it until it is admitted, so it is not starved either.
+
+The probe reserve: while other sequences run, `probe_reserve_pages` pages are left free for canary-probe
+requests (ids starting with inference.probes.CANARY_PROBE_PREFIX): admissions leave them free, and growth
+that would take them preempts as a shortage does. A probe may take them, and never waits behind preempted
+sequences, so the canary's valid handoff is judged on a worker whose pool is full (kvserve/probe_lane.py).
 """
 from collections import Counter, deque
 from dataclasses import dataclass
 
 from inference.block_manager import BlockManager
 from inference.fair_queue import TenantQueues
+from inference.probes import CANARY_PROBE_PREFIX
 from inference.sequence import Sequence, SeqStatus
 
 
@@ -38,17 +44,18 @@ class RequestTooLarge(Exception):
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, chunk_size: int = 512, max_num_seqs: int = 64,
-                 watermark_pages: int = 0, reserve_whole: bool = False):
+                 watermark_pages: int = 0, reserve_whole: bool = False, probe_reserve_pages: int = 0):
         self.block_manager = block_manager
         self.chunk_size = chunk_size
         self.max_num_seqs = max_num_seqs
         self.watermark_pages = watermark_pages  # free pages admission leaves for running sequences to grow into
         self.reserve_whole = reserve_whole  # bench.ondemand's baseline only: prompt + max_tokens at admission
+        self.probe_reserve_pages = probe_reserve_pages  # free pages kept for canary probes while others run
         # round-robin across tenants, FIFO within one; a preempted sequence goes first (inference.fair_queue)
         self.waiting: TenantQueues[Sequence] = TenantQueues()
         # gives a waiting sequence its pages (False: not now); the prefix cache replaces it to reuse pages
         self.admit = lambda seq: block_manager.allocate(seq, self.pages_to_admit(seq, seq.num_tokens),
-                                                        self.admission_keep_free())
+                                                        self.admission_keep_free(seq))
         self.active: list[Sequence] = []  # PREFILLING or RUNNING, in admission order
         self.blocked: Sequence | None = None  # the waiting head that did not fit, and the pages admitted past it
         self.bypassed_pages = 0
@@ -80,9 +87,23 @@ class Scheduler:
             return max(0, seq.num_pages_needed(self.block_manager.page_size) - len(seq.block_table))
         return self.block_manager.pages_short(seq, num_tokens)
 
-    def admission_keep_free(self) -> int:
-        """Free pages an admission must leave: the watermark, unless nothing runs (a sequence alone fits)."""
-        return self.watermark_pages if self.active else 0
+    def admission_keep_free(self, seq: Sequence) -> int:
+        """Free pages admitting `seq` must leave: the watermark and the probe reserve, unless nothing runs (a
+        sequence alone fits); a probe may take them all."""
+        return 0 if is_probe(seq) else self.watermark_pages + self.probe_reserve(self.active)
+
+    def probe_reserve(self, others: list[Sequence]) -> int:
+        """Pages kept free for probes beside `others`: none when nothing else runs, or only probes do."""
+        return self.probe_reserve_pages if any(not is_probe(s) for s in others) else 0
+
+    def growth_keep_free(self) -> int:
+        """Free pages growth must leave: the probe reserve while two sequences that are no probes run (one
+        alone always fits: growth then preempts down to it)."""
+        return self.probe_reserve_pages if sum(not is_probe(s) for s in self.active) > 1 else 0
+
+    def waits_for_preempted(self, seq: Sequence) -> bool:
+        """Whether `seq` must wait for preempted sequences to resume first (a probe never does)."""
+        return bool(self.waiting) and not is_probe(seq)
 
     def pages_held_by_tenant(self) -> Counter:
         """tenant -> pages its admitted sequences hold (a shared prefix page counts for each reader)."""
@@ -167,9 +188,11 @@ class Scheduler:
                      and (n := self.block_manager.pages_short(s, s.num_cached + 1))]
             if not grows:
                 return set()
-            if self.block_manager.append_slots(grows):  # still short: its lease was lost (its worker fails it)
+            keep = self.growth_keep_free()
+            fits = not keep or self.block_manager.can_append(grows, keep)
+            if fits and self.block_manager.append_slots(grows):  # still short: its lease was lost (its worker fails it)
                 return {s for s, _ in grows if self.block_manager.pages_short(s, s.num_cached + 1)}
-            if self.block_manager.can_append(grows):
+            if fits and self.block_manager.can_append(grows):  # refused or unreachable: not a shortage
                 return {s for s, _ in grows}
             self.preempt(self.victim())
 
@@ -243,3 +266,7 @@ class Scheduler:
         self.remove(seq)
         if seq.status is not SeqStatus.PREFILLED:
             self.block_manager.deallocate(seq)
+
+
+def is_probe(seq: Sequence) -> bool:
+    return seq.request_id.startswith(CANARY_PROBE_PREFIX)

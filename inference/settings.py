@@ -110,6 +110,7 @@ def engine_settings(env: Mapping | None = None) -> dict:
         window=env_int("KVSERVE_WINDOW", None, low=1, env=env),
         scrub_policy=env_choice("KVSERVE_SCRUB", "on_free", SCRUB_POLICIES, env),
         watermark=env_float("KVSERVE_WATERMARK", 0.01, low=0, high=1, env=env),
+        probe_reserve_pages=env_int("KVSERVE_PROBE_RESERVE_PAGES", None, low=0, env=env),  # None: the engine's
         dtype=env_choice("KVSERVE_DTYPE", "float32", DTYPES, env),
         device=env_str("KVSERVE_DEVICE", "", env).strip() or None,
         prefix_cache=env_bool("KVSERVE_PREFIX_CACHE", True, env),

@@ -42,6 +42,10 @@ app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()  # <app>/tasks.py of every installed Django app
 app.autodiscover_tasks(["inference"])  # inference/tasks.py, when the engine provides one
 
+from kvserve.probe_lane import ProbeLane  # noqa: E402
+
+app.steps["consumer"].add(ProbeLane)  # canary probes reach a busy worker on a lane of their own
+
 from celery.signals import task_postrun, worker_init, worker_shutdown  # noqa: E402
 
 

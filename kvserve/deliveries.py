@@ -1,7 +1,7 @@
 """Which broker deliveries each engine worker holds, so that the reaper can put back on their queues the task
 messages a worker received (prefetched or running) when it is gone. Owns the Redis key
 `{KVSERVE_LEDGER_PREFIX}:deliveries:{worker_id}` (a hash: task id -> delivery tag) and
-`{KVSERVE_LEDGER_PREFIX}:nodes` (worker id -> Celery node name, whose direct queue the reaper empties too) and
+`{KVSERVE_LEDGER_PREFIX}:nodes` (worker id -> Celery node name, whose direct and probe queues the reaper empties too) and
 `{KVSERVE_LEDGER_PREFIX}:queued:{request_id}` (a queued request's prefill arguments until a worker claims it:
 a message Redis handed to a worker's pending BRPOP just as the worker died is in no queue and no `unacked`
 hash, so the reaper sends such a request once more after KVSERVE_REQUEUE_AFTER_S).
@@ -18,6 +18,7 @@ from celery.utils.nodenames import worker_direct
 from django.conf import settings
 from kombu import Connection
 
+from kvserve.probe_lane import probe_queue
 from kvserve.workers import redis_client
 
 log = logging.getLogger(__name__)
@@ -95,7 +96,8 @@ def deliveries_restore(worker_id: str) -> list[str]:
                     channel.qos.restore_by_tag(tag)
                     restored.append(task_id)
             if node:
-                restored += _direct_queue_drain(broker, worker_direct(node.decode()).name, conn.Producer())
+                for queue in (worker_direct(node.decode()), probe_queue(node.decode())):
+                    restored += _direct_queue_drain(broker, queue.name, conn.Producer())
     pipe = client.pipeline()
     pipe.delete(deliveries_key(worker_id))
     pipe.hdel(nodes_key(), worker_id)

@@ -1,35 +1,40 @@
 """Live probes: every live worker's own code path, over the real queues, each result naming the worker.
 
 - handoff (each live decode worker): canary handoffs sent with the real `inference.decode` task to that worker's
-  direct queue — a REJECTED verdict with KV present, fewer tokens transferred than expected, a signature made
+  probe queue — a REJECTED verdict with KV present, fewer tokens transferred than expected, a signature made
   with another key, a valid handoff of another canary request replayed onto this one, a KV blob swapped for
   another request's — each must be refused by that worker (its row's decode_worker and decode_verdict, no
   content event, the probe record its handoff refusal wrote); one correct handoff must be accepted and answered.
-- guard and scrub (every live worker): `kvserve.probe` on the worker's direct queue runs inference.probes in its
+- guard and scrub (every live worker): `kvserve.probe` on the worker's probe queue runs inference.probes in its
   engine loop, on canary-owned pages of its real pool and ledger.
-A worker the probes cannot reach (no answer before the deadline) fails the check, named."""
+Probes travel in each worker's probe lane (kvserve/probe_lane.py: a consumer and threads of their own, and the
+engine's page reserve for canary-probe requests), so a worker whose every Celery thread is busy is still judged.
+Each probe's outcome (incidents/canary/result.py): passed; wrong where the worker answered wrongly (critical,
+quarantine); not judged where it did not answer (not taken, timed out, busy, unreachable: a warning)."""
 import time
 import uuid
 from dataclasses import replace
 
 import torch
-from celery.utils.nodenames import worker_direct
 from django.conf import settings
 
 from incidents.canary import live
 from incidents.canary.prompts import TENANT_B, canary_key
-from incidents.canary.result import CheckResult, IncidentSpec
+from incidents.canary.result import NOT_JUDGED, PASSED, SEVERITY, WRONG, CheckResult, IncidentSpec, outcome_worst
 from inference.handoff import KV_DTYPES, Handoff, Verdict, blob_metadata
 from inference.kv_cache import cdiv, page_checksums
 from inference.probes import CANARY_PROBE_PREFIX, ProbeRecords
 from inference.transport import RedisTransport
 from kvserve.chat.models import ChatRequest
+from kvserve.probe_lane import probe_queue
 from kvserve.workers import redis_get
 
 # case -> the decode_verdict the worker must record ("accepted" for the control)
 HANDOFF_CASES = {"valid": "accepted", "rejected_kv": "rejected", "truncated": "handoff_mismatch",
                  "other_key": "handoff_forged", "replayed": "handoff_mismatch", "swapped_blob": "handoff_mismatch"}
 INCIDENT_KIND = {"handoff": "handoff_mismatch", "guard": "foreign_read", "scrub": "canary_leak"}
+# a probe record whose reason starts so gives no verdict (inference.probes: busy, unproven; probe_run: the rest)
+NO_VERDICT = ("busy", "unproven", "unreachable", "timed out", "error")
 
 
 def _blob(pages: int, w) -> torch.Tensor:
@@ -87,28 +92,83 @@ def _send_handoff_probe(w, cases: list[dict], transport: RedisTransport, tenant)
         for stored_id, blob in c["stored"]:
             h = c["handoff"] if stored_id == c["handoff"].request_id else replace(c["handoff"], request_id=stored_id)
             transport.send(h, blob)
-        decode.apply_async(args=(c["rid"], c["prompt_ids"], c["handoff"].to_dict()), queue=worker_direct(w.node))
+        decode.apply_async(args=(c["rid"], c["prompt_ids"], c["handoff"].to_dict()), queue=probe_queue(w.node))
+
+
+def _events(outputs, rid: str, timeout_s: float) -> list[str]:
+    """The types of the output events `rid` has published so far (up to its final one)."""
+    types = []
+    try:
+        for e in outputs.read(rid, timeout_s=timeout_s):
+            types.append(e.get("type"))
+    except TimeoutError:
+        pass
+    return types
+
+
+def _handoff_outcome(case: str, row, events: list[str], record: dict, worker_id: str) -> tuple[str, str]:
+    """(outcome, why) of one handoff case: not judged unless this worker answered it; wrong only where it did,
+    wrongly (accepted or answered a bad handoff, refused the valid one, refused for another reason)."""
+    if row is None or not row.decode_worker:
+        return NOT_JUDGED, "unreachable: the worker did not take the probe before the deadline"
+    if row.decode_worker != worker_id:
+        return NOT_JUDGED, f"unreachable: the probe was taken by {row.decode_worker}, not this worker"
+    expected = HANDOFF_CASES[case]
+    if expected == "accepted":
+        if not row.is_final:
+            return NOT_JUDGED, "timed out: the valid handoff was accepted and is still decoding"
+        if row.status == ChatRequest.Status.DONE and row.completion_tokens >= 1 and "done" in events:
+            return PASSED, ""
+        if row.status == ChatRequest.Status.FAILED and row.error_code != "handoff_refused":
+            return NOT_JUDGED, f"timed out: the valid handoff was accepted and ended {row.error_code}"
+        return WRONG, "the valid handoff was not answered"
+    if "delta" in events:
+        return WRONG, "content was published for a handoff that must be refused"
+    if not row.is_final:
+        return NOT_JUDGED, "timed out: taken and not answered before the deadline"
+    if not (row.status == ChatRequest.Status.FAILED and row.error_code == "handoff_refused"
+            and row.decode_verdict == expected):
+        return WRONG, f"expected a {expected} refusal"
+    if not record:
+        return NOT_JUDGED, "unreachable: refused, but the worker's probe record is missing"
+    if record.get("worker") != worker_id or record.get("refused") != expected:
+        return WRONG, f"the probe record shows {record.get('refused')} by {record.get('worker')}"
+    return PASSED, ""
 
 
 def _judge_handoff(w, cases: list[dict], records: dict, outputs) -> dict:
     results = {}
     for c in cases:
         row = ChatRequest.objects.filter(id=c["rid"]).first()
-        expected = HANDOFF_CASES[c["case"]]
         got = {"status": row.status, "decode_worker": row.decode_worker, "decode_verdict": row.decode_verdict,
                "error_code": row.error_code, "completion_tokens": row.completion_tokens} if row else {}
-        events = [e.get("type") for e in outputs.read(c["rid"], timeout_s=1)] if row and row.is_final else []
-        mine = row is not None and row.decode_worker == w.worker_id
-        if expected == "accepted":
-            ok = mine and row.status == ChatRequest.Status.DONE and row.completion_tokens >= 1 and "done" in events
-        else:
-            record = records.get(c["rid"]) or {}
+        events = _events(outputs, c["rid"], 1 if row and row.is_final else 0.2) if row and row.decode_worker else []
+        record = records.get(c["rid"]) or {}
+        if HANDOFF_CASES[c["case"]] != "accepted":
             got["record"] = record
-            ok = (mine and row.status == ChatRequest.Status.FAILED and row.decode_verdict == expected
-                  and row.error_code == "handoff_refused" and "delta" not in events
-                  and record.get("worker") == w.worker_id and record.get("refused") == expected)
-        results[c["case"]] = {"expected": expected, "got": got, "events": events, "ok": bool(ok)}
+        outcome, why = _handoff_outcome(c["case"], row, events, record, w.worker_id)
+        results[c["case"]] = {"expected": HANDOFF_CASES[c["case"]], "got": got, "events": events,
+                              "ok": outcome == PASSED, "outcome": outcome, **({"reason": why} if why else {})}
     return results
+
+
+def _probe_outcome(record: dict | None, worker_id: str, reachable: bool, wait_s: float) -> dict:
+    """A guard or scrub probe's record judged: passed, wrong, or not judged (no answer, or an answer that
+    says it could not prove anything)."""
+    if record is None:
+        reason = f"unreachable: no answer from this worker within {wait_s:.0f}s" if reachable \
+            else "unreachable: no probe queue"
+        return {"ok": False, "outcome": NOT_JUDGED, "reason": reason}
+    ok = bool(record.get("ok")) and record.get("worker") == worker_id
+    no_verdict = str(record.get("reason", "")).startswith(NO_VERDICT)
+    return {**record, "ok": ok, "outcome": PASSED if ok else NOT_JUDGED if no_verdict else WRONG}
+
+
+def _handoff_check(w, cases: dict) -> dict:
+    if not cases:
+        return {"ok": False, "outcome": NOT_JUDGED, "cases": {}, "reason": "unreachable: no probe queue"}
+    outcome = outcome_worst(c["outcome"] for c in cases.values())
+    return {"ok": outcome == PASSED, "outcome": outcome, "cases": cases}
 
 
 def check_live_probes(wait_s: float | None = None, key: bytes | None = None) -> CheckResult:
@@ -130,10 +190,10 @@ def check_live_probes(wait_s: float | None = None, key: bytes | None = None) -> 
     for w in workers:
         entry = sent[w.worker_id] = {"worker": w, "probes": {}, "handoff": []}
         if not w.node:
-            continue  # no direct queue registered: unreachable, judged below
+            continue  # no probe queue: unreachable, not judged below
         for name in ("guard", "scrub"):
             pid = entry["probes"][name] = f"{CANARY_PROBE_PREFIX}{name}-{run}-{w.worker_id[-4:]}"
-            probe.apply_async(args=(name, pid), queue=worker_direct(w.node))
+            probe.apply_async(args=(name, pid), queue=probe_queue(w.node))
         if w.role == "decode":
             entry["handoff"] = _handoff_cases(run, w, key)
             _send_handoff_probe(w, entry["handoff"], transport, tenant)
@@ -151,26 +211,21 @@ def check_live_probes(wait_s: float | None = None, key: bytes | None = None) -> 
     report, incidents = {}, []
     for worker_id, e in sent.items():
         w = e["worker"]
-        checks = {}
-        for name in ("guard", "scrub"):
-            record = records.get(e["probes"].get(name, ""))
-            if record is None:
-                checks[name] = {"ok": False, "reason": "unreachable: no answer from this worker within "
-                                                       f"{wait_s:.0f}s" if w.node else "unreachable: no direct queue"}
-            else:
-                checks[name] = {**record, "ok": bool(record.get("ok")) and record.get("worker") == worker_id}
+        checks = {name: _probe_outcome(records.get(e["probes"].get(name, "")), worker_id, bool(w.node), wait_s)
+                  for name in ("guard", "scrub")}
         if w.role == "decode":
-            cases = _judge_handoff(w, e["handoff"], records, outputs) if w.node else {}
-            checks["handoff"] = {"ok": bool(cases) and all(c["ok"] for c in cases.values()), "cases": cases,
-                                 **({} if w.node else {"reason": "unreachable: no direct queue"})}
-        failed = [n for n, c in checks.items() if not c["ok"]]
-        report[worker_id] = {"role": w.role, "passed": not failed, "failed": failed, "checks": checks}
+            checks["handoff"] = _handoff_check(w, _judge_handoff(w, e["handoff"], records, outputs) if w.node else {})
+        failed = [n for n, c in checks.items() if c["outcome"] != PASSED]
+        outcome = outcome_worst(c["outcome"] for c in checks.values())
+        report[worker_id] = {"role": w.role, "passed": not failed, "outcome": outcome, "failed": failed,
+                             "checks": checks}
         for name in failed:
-            unreachable = str(checks[name].get("reason", "")).startswith(("unreachable", "busy", "unproven"))  # unproven
+            wrong = checks[name]["outcome"] == WRONG
             incidents.append(IncidentSpec(
-                kind="canary_leak" if unreachable else INCIDENT_KIND[name], severity="warning" if unreachable else "critical",
+                kind=INCIDENT_KIND[name] if wrong else "canary_leak", severity=SEVERITY[checks[name]["outcome"]],
                 worker=worker_id, pool=worker_id,
-                details={"detected_by": f"canary live {name} probe", "probe": name, "result": checks[name]}))
+                details={"detected_by": f"canary live {name} probe", "probe": name, "outcome": checks[name]["outcome"],
+                         "result": checks[name]}))
     for c in (c for e in sent.values() for c in e["handoff"]):
         for stored_id, _ in c["stored"]:
             transport.discard(stored_id)

@@ -1,5 +1,6 @@
 """The canary suite: runs the checks, stores one CanaryRun, and turns every failed check into incidents
-(a critical one on a live worker quarantines it, through incident_record). `manage.py canary` and the
+(a critical one on a live worker quarantines it, through incident_record). Each check ends passed, wrong
+(critical incidents) or not judged (warnings only, never a quarantine): incidents/canary/result.py. `manage.py canary` and the
 scheduled task `kvserve.canary` both call `canary_run`.
 
 Every check runs in a thread of its own, bounded by KVSERVE_CANARY_CHECK_TIMEOUT_S: a check that has not
@@ -20,7 +21,7 @@ from incidents.canary.marker import check_marker
 from incidents.canary.probes import check_live_probes
 from incidents.canary.prefix_scope import check_prefix_scope
 from incidents.canary.reproduction import check_reproduction
-from incidents.canary.result import CheckResult, IncidentSpec
+from incidents.canary.result import LABEL, NOT_JUDGED, CheckResult, IncidentSpec, outcome_of_run
 from incidents.canary.selftest import check_selftest
 from incidents.models import CanaryRun, Incident
 from incidents.services import incident_record
@@ -113,14 +114,13 @@ def _record(result: CheckResult, run: CanaryRun) -> list[int]:
 
 def _result_counts(result: CheckResult, batch: Batch) -> None:
     """kvserve_canary_checks_total: the check as a whole (worker ""), and each worker it covered (the workers
-    or pools its details list) or blamed (its incidents name), failed where blamed."""
-    outcome = lambda ok: "passed" if ok else "failed"  # noqa: E731
-    batch.inc("canary_checks", check=result.name, worker="", result=outcome(result.passed))
+    or pools its details list) or blamed (its incidents name), by outcome (incidents/canary/result.py)."""
+    batch.inc("canary_checks", check=result.name, worker="", result=result.outcome)
     covered = {w for part in ("workers", "pools") if isinstance(result.details.get(part), dict)
                for w in result.details[part]}
-    blamed = {spec.worker for spec in result.incidents if spec.worker} if not result.passed else set()
+    blamed = {spec.worker for spec in result.incidents if spec.worker}
     for worker in sorted(covered | blamed):
-        batch.inc("canary_checks", check=result.name, worker=worker, result=outcome(worker not in blamed))
+        batch.inc("canary_checks", check=result.name, worker=worker, result=result.outcome_for(worker))
 
 
 def canary_run(only=None, skip=None, checks: dict | None = None, check_timeout_s: float | None = None) -> CanaryRun:
@@ -141,11 +141,11 @@ def canary_run(only=None, skip=None, checks: dict | None = None, check_timeout_s
         results.append(result)
         run.checks = [r.to_dict() for r in results]
         run.save(update_fields=["checks"])  # progress is visible while the run goes on
-        log.log(logging.INFO if result.passed else logging.ERROR, "canary check %s %s in %.1fs%s", name,
-                "passed" if result.passed else "FAILED", result.duration_s,
+        log.log(logging.INFO if result.passed else logging.WARNING if result.outcome == NOT_JUDGED else logging.ERROR,
+                "canary check %s %s in %.1fs%s", name, LABEL[result.outcome], result.duration_s,
                 "" if result.passed else f": {result.details.get('reason') or result.details.get('problems')}")
     run.passed = bool(results) and all(r.passed for r in results)
     run.finished_at = timezone.now()
     run.save(update_fields=["passed", "finished_at"])
-    metrics_send(counts.inc("canary_runs", result="passed" if run.passed else "failed"), f"canary run #{run.pk}")
+    metrics_send(counts.inc("canary_runs", result=outcome_of_run(run.checks)), f"canary run #{run.pk}")
     return run

@@ -30,8 +30,13 @@ CELERY_WORKER_CONCURRENCY = env_int("KVSERVE_WORKER_CONCURRENCY", 64, low=1)
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
-# every worker also consumes its own direct queue ({node}.dq2): the canary's live probes reach one process
+# every worker also consumes its own direct queue ({node}.dq2): prefix-affinity routing reaches one process
 CELERY_WORKER_DIRECT = True
+# the canary's live probes reach one engine process through its probe lane (kvserve/probe_lane.py): threads of
+# their own beside the CELERY_WORKER_CONCURRENCY ones, so a worker whose every thread is busy is still probed
+KVSERVE_PROBE_LANE_THREADS = env_int("KVSERVE_PROBE_LANE_THREADS", 2)
+if KVSERVE_PROBE_LANE_THREADS < 1:
+    raise ValueError(f"KVSERVE_PROBE_LANE_THREADS={KVSERVE_PROBE_LANE_THREADS}: set it to 1 or more (default 2)")
 # acks_late + reject_on_worker_lost redeliver a task whose worker died, forever if it keeps
 # killing workers. Tasks bound that: see kvserve/celery.py ("Redelivery is bounded").
 KVSERVE_TASK_MAX_DELIVERIES = env_int("KVSERVE_TASK_MAX_DELIVERIES", 3, low=1)

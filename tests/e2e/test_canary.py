@@ -4,7 +4,11 @@ matching check fails, an incident names that worker, and the worker is quarantin
 import json
 import os
 import sqlite3
+import threading
 import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -206,3 +210,100 @@ def test_live_probes_pass_on_healthy_workers_and_fail_naming_the_worker_whose_ch
         assert (wid, "canary live_probes", "critical") in incidents
         assert s.registry().is_quarantined(wid)
 
+
+
+# ---- a saturated decode worker: every Celery thread busy, the pool near full -------------------------------
+
+def stream_chat(stack, content: str, max_tokens: int) -> dict:
+    """One streamed chat completion read to its end: status, finish reason or error, and when each delta came."""
+    body = json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+                       "stream": True}).encode()
+    req = urllib.request.Request(stack.url + "/v1/chat/completions", data=body, method="POST",
+                                 headers={"Authorization": f"Bearer {stack.api_key}", "Content-Type": "application/json"})
+    out = {"status": None, "finish": None, "error": None, "deltas": []}
+    try:
+        with urllib.request.urlopen(req, timeout=900) as r:
+            out["status"] = r.status
+            for line in r:
+                if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    out["error"] = chunk["error"]
+                for choice in chunk.get("choices", []):
+                    if (choice.get("delta") or {}).get("content"):
+                        out["deltas"].append(time.monotonic())
+                    out["finish"] = choice.get("finish_reason") or out["finish"]
+    except urllib.error.HTTPError as e:
+        out["status"], out["error"] = e.code, e.read()[:500]
+    return out
+
+
+def decode_pool_use(stack) -> float:
+    from inference.ledger import RedisLedger
+
+    (w,) = stack.registry().live_workers("decode")
+    return 1 - RedisLedger(stack.redis, w.worker_id, prefix=stack.prefix).num_free() / w.num_pages
+
+
+@pytest.fixture
+def busy_stack(tmp_path, tiny_paths):
+    """Two Celery threads per worker and a decode pool two long streams fill (130 pages of 16 tokens)."""
+    s = Stack(tmp_path, KVSERVE_MODEL=str(tiny_paths["gguf"]), KVSERVE_WINDOW="2048", KVSERVE_NUM_PAGES="130",
+              KVSERVE_WORKER_CONCURRENCY="2", KVSERVE_CANARY_CHECK_TIMEOUT_S="70")
+    try:
+        yield s.start()
+    finally:
+        s.close()
+
+
+def decoding(stack) -> int:
+    """Client requests decoding now: each holds one of the decode worker's Celery threads."""
+    return stack.sql("select count(*) from chat_chatrequest where status = 'decoding' "
+                     "and id not like 'canary-probe-%'")[0][0]
+
+
+@pytest.mark.timeout(900)
+def test_a_saturated_decode_worker_is_judged_through_its_probe_lane_and_never_quarantined(busy_stack):
+    """Both of the decode worker's Celery threads hold a long stream (more wait in its queue) and its pool is near
+    full: the live probes still reach it (its probe lane) and its valid handoff still gets pages (the engine's
+    probe reserve), so every probe is judged and passes; nothing is recorded, nothing quarantined, and the
+    streams are served throughout."""
+    s = busy_stack
+    samples, stop = [], threading.Event()
+
+    def sample():
+        while not stop.wait(0.5):
+            samples.append(decoding(s))
+
+    with ThreadPoolExecutor(4) as pool:  # two decode, two wait in its queue (their KV within its transport TTL)
+        streams = [pool.submit(stream_chat, s, f"Story {i}. " + "the sea is wide " * 68, 1000) for i in range(4)]
+        deadline = time.monotonic() + 300
+        while not (decoding(s) == 2 and decode_pool_use(s) >= 0.8):
+            assert time.monotonic() < deadline and not any(f.done() for f in streams), s.tail("decode")
+            time.sleep(0.5)
+        use, sampler = decode_pool_use(s), threading.Thread(target=sample, daemon=True)
+        began = time.monotonic()
+        sampler.start()
+        rc, check, log = live_probes(s)
+        ended = time.monotonic()
+        stop.set()
+        sampler.join()
+        results = [f.result() for f in streams]
+    # saturated throughout: both threads held a client stream (a handover between two streams aside)
+    assert samples and sum(n == 2 for n in samples) >= 0.8 * len(samples), samples
+    assert use >= 0.8
+    assert rc == 0 and check["outcome"] == "passed", log
+    (decode,) = [w for w in check["details"]["workers"].values() if w["role"] == "decode"]
+    cases = decode["checks"]["handoff"]["cases"]
+    assert {c: r["outcome"] for c, r in cases.items()} == dict.fromkeys(cases, "passed") and len(cases) == 6
+    assert cases["valid"]["got"]["status"] == "done"
+    assert rows(s, "select count(*) from incidents_incident") == [(0,)]
+    assert not any(s.registry().is_quarantined(w.worker_id) for w in s.registry().live_workers())
+    for r in results:  # served throughout: every stream ends normally, and content came while the canary ran
+        assert r["status"] == 200 and r["error"] is None and r["finish"] in ("length", "stop"), r
+    assert any(began <= t <= ended for r in results for t in r["deltas"])
+    with urllib.request.urlopen(f"{s.url}/healthz", timeout=10) as h:
+        assert h.status == 200
+    after = stream_chat(s, "What is the capital of France?", 8)
+    assert after["status"] == 200 and after["finish"] in ("length", "stop"), after

@@ -208,6 +208,7 @@ def test_live_probes_fail_for_workers_they_cannot_reach_naming_each(registry, ma
     assert workers["decode-nodq"]["failed"] == ["guard", "scrub", "handoff"]
     assert all(c["reason"].startswith("unreachable") for w in workers.values() for c in w["checks"].values())
     assert {(i.worker, i.severity) for i in result.incidents} == {("prefill-nodq", "warning"), ("decode-nodq", "warning")}
+    assert result.outcome == "not_judged" and {w["outcome"] for w in workers.values()} == {"not_judged"}
 
 
 def test_live_probes_without_serving_workers_are_vacuous(registry, make_worker):
@@ -216,3 +217,56 @@ def test_live_probes_without_serving_workers_are_vacuous(registry, make_worker):
     live_worker(registry, make_worker, "prefill", worker_id="prefill-alone")
     result = check_live_probes(wait_s=1, key=KEY)
     assert not result.passed and result.details["reason"].startswith("vacuous")
+
+
+# ---- live probe outcomes: passed, wrong (the worker answered wrongly), not judged (it did not answer) --------
+
+def probe_row(status, decode_worker="decode-w1", **fields) -> ChatRequest:
+    return ChatRequest(id="canary-probe-x", status=status, decode_worker=decode_worker, **fields)
+
+
+S = ChatRequest.Status
+REFUSED = dict(error_code="handoff_refused", decode_verdict="handoff_mismatch")
+
+
+@pytest.mark.parametrize("case, row, events, record, outcome", [
+    # never taken (every Celery thread busy): no answer, no verdict
+    ("truncated", probe_row(S.PREFILLING, decode_worker=""), [], {}, "not_judged"),
+    ("valid", probe_row(S.PREFILLING, decode_worker=""), [], {}, "not_judged"),
+    ("valid", None, [], {}, "not_judged"),
+    # taken and still running at the deadline (the valid one waits for pages)
+    ("valid", probe_row(S.DECODING), [], {}, "not_judged"),
+    ("truncated", probe_row(S.DECODING), [], {}, "not_judged"),
+    ("valid", probe_row(S.FAILED, error_code="timeout", decode_verdict="accepted"), ["error"], {}, "not_judged"),
+    # answered as it must be
+    ("valid", probe_row(S.DONE, completion_tokens=3), ["delta", "done"], {}, "passed"),
+    ("truncated", probe_row(S.FAILED, **REFUSED), ["error"],
+     {"worker": "decode-w1", "refused": "handoff_mismatch"}, "passed"),
+    # answered wrongly: accepted a bad handoff, produced content for it, refused the valid one
+    ("truncated", probe_row(S.DONE, completion_tokens=3, decode_verdict="accepted"), ["delta", "done"], {}, "wrong"),
+    ("truncated", probe_row(S.DECODING), ["delta"], {}, "wrong"),
+    ("truncated", probe_row(S.FAILED, error_code="timeout", decode_verdict="accepted"), ["error"], {}, "wrong"),
+    ("valid", probe_row(S.FAILED, error_code="handoff_refused", decode_verdict="handoff_mismatch"), ["error"], {},
+     "wrong"),
+    ("other_key", probe_row(S.FAILED, **REFUSED), ["error"], {"worker": "decode-w1", "refused": "handoff_mismatch"},
+     "wrong"),
+])
+def test_a_handoff_probe_is_wrong_only_where_the_worker_answered_wrongly(case, row, events, record, outcome):
+    from incidents.canary.probes import _handoff_outcome
+
+    assert _handoff_outcome(case, row, events, record, "decode-w1")[0] == outcome
+
+
+@pytest.mark.parametrize("record, outcome", [
+    (None, "not_judged"),
+    ({"ok": False, "worker": "w1", "reason": "busy: no free pages for the guard probe now"}, "not_judged"),
+    ({"ok": False, "worker": "w1", "reason": "timed out: the engine loop did not run the probe in time"}, "not_judged"),
+    ({"ok": True, "worker": "w1"}, "passed"),
+    ({"ok": True, "worker": "another"}, "wrong"),
+    ({"ok": False, "worker": "w1", "cases": {"foreign_page": {"got": "allowed"}}}, "wrong"),
+    ({"ok": False, "worker": "w1", "reason": "page 3 still holds 12 nonzero values after its free"}, "wrong"),
+])
+def test_a_guard_or_scrub_probe_without_an_answer_is_not_judged(record, outcome):
+    from incidents.canary.probes import _probe_outcome
+
+    assert _probe_outcome(record, "w1", True, 30)["outcome"] == outcome

@@ -71,7 +71,36 @@ def test_failed_check_exits_1_records_incident_and_quarantines(monkeypatch, regi
     assert leak.details["canary_run"] == body["run"] and leak.quarantined and registry.is_quarantined("decode-w9")
     boom = Incident.objects.get(pk=checks["boom"]["details"]["incidents"][0])
     assert boom.severity == "warning" and not boom.quarantined
-    assert "[FAIL] leaky" in out and "[ok] ok" in out
+    assert body["outcome"] == "wrong" and (checks["leaky"]["outcome"], checks["boom"]["outcome"]) == ("wrong", "not_judged")
+    assert "[WRONG] leaky" in out and "[NOT JUDGED] boom" in out and "[ok] ok" in out
+
+
+def busy_check():
+    """What live_probes returns for a worker that did not answer its probes (every thread busy)."""
+    return CheckResult("busy", False, details={"workers": {"decode-w7": {"outcome": "not_judged"}}},
+                       incidents=[IncidentSpec(kind="canary_leak", severity="warning", worker="decode-w7",
+                                               pool="decode-w7", details={"outcome": "not_judged"})])
+
+
+def test_a_not_judged_check_exits_2_with_a_warning_and_never_quarantines(monkeypatch, registry, registry_redis,
+                                                                         registry_prefix):
+    from incidents.selectors import canary_latest_get
+    from inference.metrics import families_read
+
+    code, out = run_command(monkeypatch, {"ok": ok_check, "busy": busy_check}, "--json")
+    assert code == 2 and "[NOT JUDGED] busy" in out
+    body = json.loads(out.strip().splitlines()[-1])
+    assert body["outcome"] == "not_judged" and body["passed"] is False
+    (incident,) = Incident.objects.all()
+    assert (incident.severity, incident.worker, incident.quarantined) == ("warning", "decode-w7", False)
+    assert not registry.is_quarantined("decode-w7")
+    latest = canary_latest_get()  # the dashboard
+    assert latest["outcome"] == "not_judged"
+    assert {c["name"]: c["outcome"] for c in latest["checks"]} == {"ok": "passed", "busy": "not_judged"}
+    raw = families_read(registry_redis, registry_prefix)
+    assert {tuple(json.loads(k)): int(v) for k, v in raw["canary_checks"].items()} == {
+        ("ok", "", "passed"): 1, ("busy", "", "not_judged"): 1, ("busy", "decode-w7", "not_judged"): 1}
+    assert {tuple(json.loads(k)): int(v) for k, v in raw["canary_runs"].items()} == {("not_judged",): 1}
 
 
 def test_only_and_skip_select_checks(monkeypatch):
@@ -200,7 +229,7 @@ def test_runs_count_per_check_and_worker_in_metrics(registry, registry_redis, re
     raw = families_read(registry_redis, registry_prefix)
     checks = {tuple(json.loads(k)): int(v) for k, v in raw["canary_checks"].items()}
     assert checks == {("contract", "", "passed"): 1, ("contract", "decode-w1", "passed"): 1,
-                      ("contract", "decode-w2", "passed"): 1, ("leaky", "", "failed"): 1,
-                      ("leaky", "decode-w9", "failed"): 1}
-    assert {tuple(json.loads(k)): int(v) for k, v in raw["canary_runs"].items()} == {("failed",): 1}
+                      ("contract", "decode-w2", "passed"): 1, ("leaky", "", "wrong"): 1,
+                      ("leaky", "decode-w9", "wrong"): 1}
+    assert {tuple(json.loads(k)): int(v) for k, v in raw["canary_runs"].items()} == {("wrong",): 1}
     assert {tuple(json.loads(k)): int(v) for k, v in raw["incidents"].items()} == {("canary_leak", "critical"): 1}

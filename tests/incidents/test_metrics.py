@@ -88,7 +88,8 @@ def test_metrics_read_live_state(client, registry, make_worker, tiny_model, djan
     CanaryRun.objects.create(started_at=now - timedelta(minutes=5), passed=True, checks=[])
     CanaryRun.objects.create(started_at=now, passed=False, checks=[
         {"name": "marker_scan", "passed": True, "duration_s": 0.5, "details": {}},
-        {"name": "self_test", "passed": False, "duration_s": 2.0, "details": {"why": "no incident"}}])
+        {"name": "self_test", "passed": False, "duration_s": 2.0, "details": {"why": "no incident"}},
+        {"name": "live_probes", "passed": False, "outcome": "not_judged", "duration_s": 1.0, "details": {}}])
     # a worker's gauges, from a real engine holding pages for one of the tenant's requests
     engine = Engine(tiny_model, EngineConfig(num_pages=32, page_size=16))
     held = chat_request(tenant, status="decoding")
@@ -140,6 +141,9 @@ def test_metrics_read_live_state(client, registry, make_worker, tiny_model, djan
     assert m[("kvserve_incidents_resolved_total", (("kind", "lease_expired"), ("severity", "warning")))] == 1
     assert m[("kvserve_incidents_open", ())] == 2
     assert m[("kvserve_canary_check_passed", (("check", "self_test"),))] == 0
+    outcome = lambda check, o: m[("kvserve_canary_check_outcome", (("check", check), ("outcome", o)))]  # noqa: E731
+    assert [outcome("self_test", o) for o in ("passed", "not_judged", "wrong")] == [0, 0, 1]  # stored before outcomes
+    assert [outcome("live_probes", o) for o in ("passed", "not_judged", "wrong")] == [0, 1, 0]
     assert m[("kvserve_canary_check_duration_seconds", (("check", "marker_scan"),))] == 0.5
     assert m[("kvserve_canary_last_run_passed", ())] == 0
 

@@ -133,8 +133,8 @@ def test_canary_latest_and_open_incidents(admin_user):
         {"name": "marker_scan", "passed": True, "duration_s": 1.5, "details": {"markers": 4}}])
     latest = canary_latest_get()
     assert latest["id"] == run.pk and latest["passed"]
-    assert latest["checks"] == [{"name": "marker_scan", "passed": True, "duration_s": 1.5, "details": {"markers": 4},
-                                  "per_worker": {}}]
+    assert latest["checks"] == [{"name": "marker_scan", "passed": True, "outcome": "passed", "duration_s": 1.5,
+                                  "details": {"markers": 4}, "per_worker": {}}]
     assert incident_open_list() == []
 
 

@@ -340,3 +340,24 @@ def test_no_preemption_for_a_head_that_would_take_its_tenant_over_its_share():
     for _ in range(3):
         s.schedule()
         assert s.preempted == [] and big.status is SeqStatus.WAITING  # it waits for pages A frees
+
+
+def test_the_probe_reserve_admits_a_canary_probe_on_a_pool_full_for_everyone_else(tiny_model):
+    """Two ordinary sequences run and grow until one is preempted: growth and admission leave the reserve free
+    while both run, and a canary probe's handoff is admitted at once, ahead of the preempted sequence."""
+    prefill = make_engine(tiny_model, num_pages=8, page_size=4)
+    p = prefill.add_request("canary-probe-h", list(range(50, 58)), greedy(4), prefill_only=True)
+    prefill.step()
+    blob, _ = prefill.export_kv(p)
+    engine = make_engine(tiny_model, num_pages=14, page_size=4, probe_reserve_pages=3)
+    seqs = [engine.add_request(f"r{i}", list(range(10 + 3 * i, 19 + 3 * i)), greedy(14)) for i in range(3)]
+    while not engine.scheduler.preempted:
+        engine.step()
+        if len(engine.scheduler.active) > 1:
+            assert engine.block_manager.num_free() >= 3
+    assert engine.scheduler.waiting  # a preempted sequence waits to resume: an ordinary handoff would wait too
+    probe = engine.add_prefilled("canary-probe-h", p.prompt_ids, p.output_ids[0], blob, greedy(4))
+    assert probe is not None and len(probe.block_table) == 2
+    run_until_done(engine, [*seqs, probe])
+    assert engine.block_manager.num_free() == 14
+    engine.block_manager.allocator.check_integrity()

@@ -59,7 +59,7 @@
       ["Live workers", String(d.workers.length), d.workers.length ? "" : "bad", "live-workers"],
       ["Unsafe pools", String(unsafe), unsafe ? "bad" : "good", "unsafe-count"],
       ["Quarantined", String(quarantined), quarantined ? "bad" : "good", "quarantined-count"],
-      ["Latest canary", canary ? (canary.passed ? "PASSED" : "FAILED") : "none yet", canary ? (canary.passed ? "good" : "bad") : "", "canary-result"],
+      ["Latest canary", canary ? OUTCOME[outcomeOf(canary)][1] : "none yet", canary ? OUTCOME[outcomeOf(canary)][2] : "", "canary-result"],
       ["Open incidents", String(d.open_incidents_total), d.open_incidents_total ? "bad" : "good", "open-incidents"],
     ];
     var box = el("div", { "class": "summary" }, tiles.map(function (t) {
@@ -218,13 +218,21 @@
   }
 
   // --- canary and incidents ---------------------------------------------------------------------
-  function perWorker(k) {  // live probes: one line per worker, each probe passed or failed
+  // outcome -> [badge class, label, tile class]: not judged (busy, unreachable, timed out) is a warning, not a failure
+  var OUTCOME = { passed: ["pass", "PASSED", "good"], wrong: ["fail", "WRONG", "bad"],
+                  not_judged: ["not-judged", "NOT JUDGED", "warn"] };
+  function outcomeOf(x) { return OUTCOME[x.outcome] ? x.outcome : (x.passed ? "passed" : "wrong"); }
+  function outcomeBadge(outcome, prefix) { return badge(OUTCOME[outcome][0], (prefix ? prefix + " " : "") + OUTCOME[outcome][1]); }
+  function perWorker(k) {  // live probes: one line per worker, each probe's outcome
     var workers = Object.keys(k.per_worker || {});
     if (!workers.length) return null;
     return el("ul", { "class": "canary-workers" }, workers.map(function (w) {
       var probes = k.per_worker[w];
       return el("li", { "class": "canary-worker", "data-worker": w }, [el("code", {}, [w]), " "].concat(
-        Object.keys(probes).map(function (p) { return badge(probes[p] ? "pass" : "fail", p + (probes[p] ? " ok" : " FAIL")); })));
+        Object.keys(probes).map(function (p) {
+          var o = OUTCOME[probes[p]] ? probes[p] : (probes[p] === true ? "passed" : "wrong");
+          return el("span", { "class": "canary-probe", "data-probe": p, "data-outcome": o }, [outcomeBadge(o, p)]);
+        })));
     }));
   }
   function renderCanary(d) {
@@ -232,13 +240,13 @@
     if (!c) { replace("canary", el("p", { "class": "empty" }, ["No canary run yet."])); return; }
     var rows = c.checks.map(function (k) {
       return el("tr", { "class": "canary-check", "data-check": k.name }, [el("td", {}, [k.name]),
-        el("td", {}, [badge(k.passed ? "pass" : "fail", k.passed ? "PASS" : "FAIL")]),
+        el("td", { "data-outcome": outcomeOf(k) }, [outcomeBadge(outcomeOf(k))]),
         el("td", {}, [k.duration_s === null || k.duration_s === undefined ? "–" : Number(k.duration_s).toFixed(2) + " s"]),
         el("td", {}, [perWorker(k) || el("code", {}, [JSON.stringify(k.details).slice(0, 160)])])]);
     });
     replace("canary", el("div", {}, [
       el("p", {}, ["Run #" + c.id + " started " + new Date(c.started_at).toLocaleString() + " ",
-        badge(c.passed ? "pass" : "fail", c.passed ? "PASSED" : "FAILED")]),
+        outcomeBadge(outcomeOf(c))]),
       el("table", {}, [el("thead", {}, [el("tr", {}, ["Check", "Result", "Duration", "Details"].map(function (h) { return el("th", {}, [h]); }))]),
         el("tbody", {}, rows)])]));
   }
