@@ -6,7 +6,9 @@ renews and reaps its leases and scrubs its dirty pages; anyone else may read it,
 a worker that is gone (`unregister`), never mark its pages clean. Epochs are fencing tokens: a pool
 re-registered after its records were lost starts a new generation whose epochs are above every epoch
 its worker has seen (`reset`), and a client refuses a pool whose counter is behind what it saw.
+A script runs again after a dropped connection only where REPEAT says a repeat is harmless (inference.retry).
 """
+import logging
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -16,6 +18,9 @@ import redis
 from redis.exceptions import ResponseError
 
 from inference.allocator import CACHE_ENTRY_PREFIX, Grant, IntegrityError, LedgerError, NotHolding, PoolLost, cache_entry
+from inference.retry import repeat
+
+log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "sandbox")
 # Every script gets the pool's fixed keys as KEYS in this order, and ARGV[1..2] = owner-key prefix, pool id.
@@ -543,6 +548,65 @@ return out
 """,
 }
 _SCRIPTS.update(_SHARED_SCRIPTS)
+# ARGV: pages... For each page {owner or false, epoch or false, scope or false, on the free list 0/1}: what a
+# repeated script reads back to learn whether its first run took effect (RedisLedger._call).
+_SCRIPTS["states"] = """
+local out = {}
+for i = 3, #ARGV do
+  local page = ARGV[i]
+  out[#out + 1] = {redis.call('HGET', page_owner, page), redis.call('HGET', page_epoch, page),
+                   redis.call('HGET', scope, page), redis.call('LPOS', free, page) and 1 or 0}
+end
+return out
+"""
+
+
+@dataclass(frozen=True)
+class Repeat:
+    """Whether a script may run again after a dropped connection lost its reply (inference.retry), and why.
+    `same`: a repeat leaves the records as the first run left them and answers as it did (or as the
+    reason says). `refused`: a repeat of a run that took effect is refused by the script's own epoch or
+    owner checks and changes nothing; the client then reads back whether the first run's effect is in
+    place and answers from that, else the refusal stands. `never`: a repeat would do the work twice or
+    lose what the first run's reply carried: the dropped connection fails the call, closed."""
+
+    kind: str  # same | refused | never
+    why: str
+
+
+REPEAT = {
+    "register": Repeat("same", "it resets the pool to the same fresh records; only its own worker grants from it, "
+                               "and that worker is still waiting for this reply"),
+    "unregister": Repeat("same", "deleting keys that are deleted already"),
+    "grant": Repeat("never", "a repeat grants fresh pages again: the first grant's pages would be held under the "
+                             "owner's lease by nobody who knows them (a double grant)"),
+    "free": Repeat("refused", "pages the first run freed are on the free list, no longer the owner's at those "
+                              "epochs: refuse_unheld refuses the repeat"),
+    "release": Repeat("never", "its reply names the pages the caller must scrub; a repeat frees nothing and "
+                               "answers [], so the first run's pages would go unscrubbed"),
+    "renew": Repeat("same", "pushing an expiry to now + TTL again"),
+    "reap": Repeat("same", "each expired owner is reaped once; a repeat reaps only owners that expired since, "
+                           "so the first run's events are lost with its reply (their pages are dirty either way "
+                           "and reach the scrubber through claim_dirty)"),
+    "beat": Repeat("same", "renew, then reap (see both)"),
+    "claim_dirty": Repeat("never", "a repeat answers only pages nobody has claimed: the first run's claims "
+                                   "would be lost to their claimer and never scrubbed"),
+    "holds": Repeat("same", "a read"),
+    "mark_clean": Repeat("refused", "pages the first run marked clean are on the free list, no longer dirty: "
+                                    "the repeat is refused"),
+    "pages_of": Repeat("same", "a read"),
+    "facts": Repeat("same", "a read"),
+    "states": Repeat("same", "a read"),
+    "cache": Repeat("refused", "pages the first run cached belong to the cache entry, no longer to the owner: "
+                               "refuse_unheld refuses the repeat"),
+    "hit": Repeat("same", "the reads are sets and the reader's scope a field, set again to the same values; its "
+                          "lease is added only when it has none; nobody evicts a page with a reader meanwhile"),
+    "unread": Repeat("same", "a repeat finds no reads and ends none (it answers 0; no caller uses the count)"),
+    "evict": Repeat("refused", "pages the first run evicted are on the free list, no longer the entry's: the "
+                               "repeat is refused"),
+    "reads_of": Repeat("same", "a read"),
+}
+UNSETTLED = object()  # what a settle check answers when the first run's effect is not in place
 
 
 def _str(value) -> str:
@@ -667,7 +731,8 @@ class RedisLedger:
         script = redis_client.register_script(_PREAMBLE + _SCRIPTS["register"])
         owner_prefix = ledger_key(prefix, pool_id, "owner:")
         floor = generation * GENERATION_SPAN
-        _run(script, _pool_keys(prefix, pool_id), [owner_prefix, pool_id, role, num_pages, page_size, generation, floor])
+        argv = [owner_prefix, pool_id, role, num_pages, page_size, generation, floor]
+        repeat(lambda: _run(script, _pool_keys(prefix, pool_id), argv), f"ledger register of pool {pool_id}")
         ledger = cls(redis_client, pool_id, prefix, lease_ttl_s)
         ledger.max_epoch = floor
         return ledger
@@ -683,15 +748,46 @@ class RedisLedger:
     def key(self, part: str) -> str:
         return ledger_key(self.prefix, self.pool_id, part)
 
-    def _call(self, name: str, *args) -> object:
-        return _run(self._lua[name], self._keys, [self.key("owner:"), self.pool_id, *args])
+    def _call(self, name: str, *args, settled=None) -> object:
+        """Run script `name`; one that REPEAT allows runs again after a dropped connection (inference.retry).
+        A repeat that a `refused` script refuses answers settled() instead, when that finds the first run's
+        effect in place (else UNSETTLED: the refusal stands)."""
+        argv = [self.key("owner:"), self.pool_id, *args]
+        kind = REPEAT[name].kind
+        if kind == "never":
+            return _run(self._lua[name], self._keys, argv)
+        runs = []
+
+        def once():
+            runs.append(name)
+            try:
+                return _run(self._lua[name], self._keys, argv)
+            except LedgerError as exc:
+                if kind != "refused" or len(runs) == 1 or type(exc) is not LedgerError:
+                    raise
+                answer = settled()
+                if answer is UNSETTLED:
+                    raise
+                log.info("ledger %s on pool %s: its first run took effect (the reply was lost)", name, self.pool_id)
+                return answer
+
+        return repeat(once, f"ledger {name} on pool {self.pool_id}")
+
+    def _states(self, pages: Sequence[int]) -> list[tuple[str | None, int | None, str | None, bool]]:
+        """(owner, epoch, scope, on the free list) of each page, in one read."""
+        return [(None if o is None else _str(o), None if e is None else int(e), None if s is None else _str(s),
+                 bool(f)) for o, e, s, f in self._call("states", *pages)]
+
+    def _all_free(self, pages: Sequence[int], answer) -> object:
+        """answer() when every page is on the free list (what free, evict and mark_clean leave), else UNSETTLED."""
+        return answer() if all(free for *_, free in self._states(pages)) else UNSETTLED
 
     def unregister(self) -> None:
         """Delete every key of this pool, its epoch counter included."""
         self._call("unregister")
 
     def num_free(self) -> int:
-        return self.redis.llen(self.key("free"))
+        return repeat(lambda: self.redis.llen(self.key("free")), f"free pages of pool {self.pool_id}")
 
     def allocate(self, owner: str, n: int, keep_free: int = 0) -> Grant | None:
         """Pop n pages off the head of the free list, each under a fresh epoch; None when fewer than
@@ -744,7 +840,10 @@ class RedisLedger:
         pages, epochs = [int(p) for p in pages], [int(e) for e in epochs]
         if len(pages) != len(epochs):
             raise LedgerError(f"pool {self.pool_id}: free got {len(pages)} pages but {len(epochs)} epochs")
-        return self._call("free", owner, len(pages), *pages, *epochs) if pages else None
+        if not pages:
+            return None
+        return self._call("free", owner, len(pages), *pages, *epochs,
+                          settled=lambda: self._all_free(pages, lambda: len(self.pages_of(owner))))
 
     def release(self, owner: str) -> list[int]:
         """Free everything the owner holds and drop its lease; returns the pages, sorted."""
@@ -788,7 +887,7 @@ class RedisLedger:
         (all or nothing)."""
         pages = [int(p) for p in pages]
         if pages:
-            self._call("mark_clean", claimer, *pages)
+            self._call("mark_clean", claimer, *pages, settled=lambda: self._all_free(pages, lambda: None))
 
     def owner_of(self, page: int) -> tuple[str, int] | None:
         with self.redis.pipeline(transaction=True) as pipe:
@@ -809,7 +908,11 @@ class RedisLedger:
         pages, epochs = [int(p) for p in pages], [int(e) for e in epochs]
         if len(pages) != len(epochs):
             raise LedgerError(f"pool {self.pool_id}: cache got {len(pages)} pages but {len(epochs)} epochs")
-        self._call("cache", owner, entry, salt, _ms(self.lease_ttl_s), len(pages), *pages, *epochs)
+        def settled():
+            cached = [(entry, e, salt) for e in epochs]
+            return entry if [state[:3] for state in self._states(pages)] == cached else UNSETTLED
+
+        self._call("cache", owner, entry, salt, _ms(self.lease_ttl_s), len(pages), *pages, *epochs, settled=settled)
         return entry
 
     def hit(self, reader: str, salt: str, pages: Sequence[int], epochs: Sequence[int]) -> bool:
@@ -833,7 +936,11 @@ class RedisLedger:
         pages, epochs = [int(p) for p in pages], [int(e) for e in epochs]
         if len(pages) != len(epochs):
             raise LedgerError(f"pool {self.pool_id}: evict got {len(pages)} pages but {len(epochs)} epochs")
-        return int(self._call("evict", cache_entry(salt), len(pages), *pages, *epochs)) if pages else 0
+        if not pages:
+            return 0
+        entry = cache_entry(salt)
+        return int(self._call("evict", entry, len(pages), *pages, *epochs,
+                              settled=lambda: self._all_free(pages, lambda: len(self.pages_of(entry)))))
 
     def reads_of(self, reader: str) -> list[int]:
         return [int(p) for p in self._call("reads_of", reader)]
