@@ -11,6 +11,7 @@ prefix cache (stranded); ends with one JSON line.
 import argparse
 import asyncio
 import json
+import shutil
 import tempfile
 import threading
 import time
@@ -88,6 +89,7 @@ async def one(client: httpx.AsyncClient, url: str, key: str, max_tokens: int, st
                     done = True
                 elif line.startswith("data: ") and '"error"' in line:
                     error = json.loads(line[6:])["error"].get("code")
+                    log(f"stream error: {line[6:300]}")
             if done and not error:
                 return {"ok": True, "s": time.monotonic() - started}
             return {"code": f"stream {error}" if error else "lost", "s": time.monotonic() - started}
@@ -134,7 +136,7 @@ def main(argv=None) -> None:
     parser.add_argument("--every", type=float, default=2.0, help="seconds between kill rounds")
     parser.add_argument("--max-tokens", type=int, default=800, help="long enough to outlast the kills (~45 s here)")
     parser.add_argument("--drain-s", type=float, default=20.0)
-    parser.add_argument("--show-logs", action="store_true", help="print the end of each process's log")
+    parser.add_argument("--logs", type=Path, help="copy the stack's process logs into this directory")
     args = parser.parse_args(argv)
     from inference.tiny import write_tiny
     from tests.e2e.stack import Stack
@@ -147,9 +149,8 @@ def main(argv=None) -> None:
             keys = [stack.manage("create_api_key", f"bench-kills-{t}").strip().splitlines()[-1] for t in "AB"]
             out = asyncio.run(run(stack, keys, args.requests, args.max_tokens, args.seconds, args.every))
             after = held_after_drain(stack, args.drain_s)
-            if args.show_logs:
-                for name in ("web", "prefill", "decode"):
-                    log(f"---- {name} ----\n{stack.tail(name, 6000)}")
+            if args.logs:
+                shutil.copytree(stack.logs, args.logs, dirs_exist_ok=True)
         finally:
             stack.close()
     results = out.pop("results")

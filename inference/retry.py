@@ -19,26 +19,30 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 DROPPED = (redis.ConnectionError,)
 BACKOFF_S = (0.05, 0.2, 0.5)  # waits between attempts: four attempts at most
-BUDGET_S = 2.0  # no attempt starts later than this after the first (leases live >= 4 s, 30 s by default)
+BUDGET_S = 2.0  # no attempt starts later than this after the first drop (leases live >= 4 s, 30 s by default)
 
 
-def _next_delay(attempt: int, started: float, budget_s: float) -> float | None:
-    """The wait before attempt `attempt + 1`, or None when the call gives up."""
+def _next_delay(attempt: int, dropped: float, budget_s: float) -> float | None:
+    """The wait before attempt `attempt + 1` (the first drop was at `dropped`), or None when the call gives up.
+    The budget counts from the first drop, not the first attempt: a blocking read may have waited long before."""
     if attempt >= len(BACKOFF_S):
         return None
     delay = BACKOFF_S[attempt]
-    return delay if time.monotonic() - started + delay <= budget_s else None
+    return delay if time.monotonic() - dropped + delay <= budget_s else None
 
 
 def repeat(call: Callable[[], T], what: str, budget_s: float = BUDGET_S) -> T:
     """call(), repeated after a dropped connection; the last error is raised when the backoff runs out."""
-    started, attempt = time.monotonic(), 0
+    dropped, attempt = None, 0
     while True:
         try:
             return call()
         except DROPPED as exc:
-            delay = _next_delay(attempt, started, budget_s)
+            dropped = dropped or time.monotonic()
+            delay = _next_delay(attempt, dropped, budget_s)
             if delay is None:
+                log.warning("Redis connection dropped during %s %d times in %.1fs; giving up: %r", what,
+                            attempt + 1, time.monotonic() - dropped, exc)
                 raise
             log.info("Redis connection dropped during %s (%r); repeating it in %.2fs", what, exc, delay)
         attempt += 1
@@ -47,13 +51,16 @@ def repeat(call: Callable[[], T], what: str, budget_s: float = BUDGET_S) -> T:
 
 async def repeat_async(call: Callable[[], Awaitable[T]], what: str, budget_s: float = BUDGET_S) -> T:
     """repeat() for a redis.asyncio command."""
-    started, attempt = time.monotonic(), 0
+    dropped, attempt = None, 0
     while True:
         try:
             return await call()
         except DROPPED as exc:
-            delay = _next_delay(attempt, started, budget_s)
+            dropped = dropped or time.monotonic()
+            delay = _next_delay(attempt, dropped, budget_s)
             if delay is None:
+                log.warning("Redis connection dropped during %s %d times in %.1fs; giving up: %r", what,
+                            attempt + 1, time.monotonic() - dropped, exc)
                 raise
             log.info("Redis connection dropped during %s (%r); repeating it in %.2fs", what, exc, delay)
         attempt += 1

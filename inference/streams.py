@@ -39,6 +39,7 @@ if KEYS[2] ~= '' then redis.call('DEL', KEYS[2]) end
 return n - done
 """
 MAXLEN = 100_000
+BLOCK_S = 1.0  # the longest XREAD BLOCK
 
 
 def decode_entries(reply) -> list[tuple[bytes, dict]]:
@@ -115,14 +116,15 @@ class OutputStream:
         ReaderStopped soon after `stop` (a threading.Event) is set."""
         key = self.key(request_id)
         deadline = time.monotonic() + timeout_s
-        block_s = 2.0 if stop is None else 0.25
+        block_s = BLOCK_S if stop is None else 0.25
         while True:
             if stop is not None and stop.is_set():
                 raise ReaderStopped(request_id)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"no output for {request_id} within {timeout_s}s")
-            # short blocking reads: a client's socket timeout (redis-py's default is 5 s) never trips
+            # short blocking reads: a client's socket timeout (redis-py's default is 5 s) never trips, and a
+            # read repeated after a dropped connection is repeated within inference.retry's budget
             block_ms = max(1, int(min(left, block_s) * 1000))
             reply = repeat(lambda: self.redis.xread({key: last_id}, block=block_ms, count=256), f"reading {key}")
             if not reply:
@@ -150,18 +152,21 @@ class AsyncOutputStream:
         """Yields events until a final one (done/error), and None after each `idle_s` of silence (for
         keep-alives); raises TimeoutError after `timeout_s` without an event."""
         key = self.key(request_id)
-        silent = 0.0
+        silent = quiet = 0.0  # since the last event; since the last event or keep-alive
         while True:
-            wait = timeout_s - silent if idle_s is None else min(idle_s, timeout_s - silent)
+            wait = min(BLOCK_S, timeout_s - silent, (idle_s - quiet) if idle_s is not None else BLOCK_S)
             block_ms = max(1, int(wait * 1000))
             reply = await repeat_async(lambda: self.redis.xread({key: last_id}, block=block_ms, count=256),
                                        f"reading {key}")
             if not reply:
-                silent += wait
+                silent, quiet = silent + wait, quiet + wait
                 if silent >= timeout_s:
                     raise TimeoutError(f"no output for {request_id} within {timeout_s}s")
-                yield None
+                if idle_s is not None and quiet >= idle_s:
+                    quiet = 0.0
+                    yield None
                 continue
+            quiet = 0.0
             silent = 0.0
             for last_id, event in decode_entries(reply):
                 yield event

@@ -57,6 +57,40 @@ def test_a_stream_read_goes_on_from_the_last_event_when_its_connection_is_killed
     assert out == {"value": ["a", "b", None]}
 
 
+def test_an_async_stream_read_goes_on_across_killed_connections_with_its_keep_alives(redis_client, ledger_prefix):
+    """The web's SSE reader (redis.asyncio): killed twice while it waits, it still yields every event once,
+    and its keep-alives keep coming while nothing is published."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from inference.streams import AsyncOutputStream
+
+    name = f"kvstest-areader-{uuid.uuid4().hex[:8]}"
+    writer = OutputStream(redis_client, prefix=ledger_prefix)
+    writer.publish("r", {"type": "delta", "text": "a"})
+
+    def kill_twice_then_finish():
+        kill(redis_client, name, "xread")
+        time.sleep(0.3)
+        kill(redis_client, name, "xread")
+        writer.publish_many([("r", {"type": "delta", "text": "b"}), ("r", {"type": "done"})])
+
+    async def read():
+        client = aioredis.Redis.from_url(TEST_REDIS_URL, client_name=name)
+        try:
+            return [(e["type"], e.get("text")) if e else "keep-alive" async for e in AsyncOutputStream(
+                client, ledger_prefix).read("r", timeout_s=10, idle_s=0.2)]
+        finally:
+            await client.aclose()
+
+    t, _ = in_thread(kill_twice_then_finish)
+    events = asyncio.run(read())
+    t.join(10)
+    assert [e for e in events if e != "keep-alive"] == [("delta", "a"), ("delta", "b"), ("done", None)]
+    assert "keep-alive" in events  # sent while it waited
+
+
 @pytest.fixture
 def own_redis(tmp_path):
     server = OwnRedis(tmp_path).start()
