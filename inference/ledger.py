@@ -10,6 +10,7 @@ A script runs again after a dropped connection only where REPEAT says a repeat i
 """
 import logging
 import time
+import uuid
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -29,6 +30,9 @@ GENERATION_SPAN = 2**32  # epochs of generation g lie in (g * span, (g + 1) * sp
 # Shared (prefix-cache) pages, after the pool's fixed keys: scope (page -> salt of each cached page),
 # reader_scope (reader -> the salt it reads under), and two key prefixes: readers:<page>, reads:<owner>.
 _SHARED_PARTS = ("scope", "reader_scope", "readers:", "reads:")
+# Then last_grant: the token and reply of the pool's latest grant, so that a grant repeated after its reply was
+# lost answers that grant instead of granting again.
+_GRANT_PART = "last_grant"
 
 
 def ledger_key(prefix: str, pool_id: str | None = None, part: str = "") -> str:
@@ -62,6 +66,7 @@ _PREAMBLE = """
 local meta, free, page_owner, page_epoch, owners, leases, dirty, epoch, scrubbing, pools = unpack(KEYS)
 local owner_prefix, pool = ARGV[1], ARGV[2]
 local scope, reader_scope, readers_prefix, reads_prefix = KEYS[11], KEYS[12], KEYS[13], KEYS[14]
+local last_grant = KEYS[15]
 local function fail(kind, msg) return redis.error_reply(kind .. ' pool ' .. pool .. ': ' .. msg) end
 local function unregistered()
   return fail('UNREGISTERED', 'not registered; its worker registers it at start (was Redis restarted '
@@ -108,7 +113,8 @@ end
 local function wipe()
   for _, o in ipairs(all_owners()) do redis.call('DEL', owner_prefix .. o, reads_prefix .. o) end
   for _, p in ipairs(redis.call('HKEYS', scope)) do redis.call('DEL', readers_prefix .. p) end
-  redis.call('DEL', meta, free, page_owner, page_epoch, owners, leases, dirty, scrubbing, scope, reader_scope)
+  redis.call('DEL', meta, free, page_owner, page_epoch, owners, leases, dirty, scrubbing, scope, reader_scope,
+             last_grant)
 end
 -- ---- shared pages ----
 -- ends every read of `owner` (its pages in reads:<owner>)
@@ -245,13 +251,16 @@ redis.call('DEL', epoch)
 redis.call('SREM', pools, pool)
 return 1
 """,
-    # ARGV: ttl_ms, must_hold, floor, keep_free, k, k owners, k counts. All or nothing: {page, epoch, ...}
+    # ARGV: ttl_ms, must_hold, floor, keep_free, k, k owners, k counts, token. All or nothing: {page, epoch, ...}
     # for the owners in the order given, nil when fewer than (their total + keep_free) pages are free, or
     # {'missing', owners...} when must_hold and those owners hold nothing (granting nothing).
-    # One script for a single grant and for a step's growth of many sequences (one round trip).
+    # One script for a single grant and for a step's growth of many sequences (one round trip). A grant that
+    # granted pages records its token and reply in last_grant; the same token again answers that reply.
     "grant": """
 local ttl_ms, must_hold, keep_free, k = tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[6]), tonumber(ARGV[7])
 if not registered() then return unregistered() end
+local token = ARGV[8 + 2 * k]
+if redis.call('HGET', last_grant, 'token') == token then return cjson.decode(redis.call('HGET', last_grant, 'reply')) end
 local stale = behind(tonumber(ARGV[5]))
 if stale then return stale end
 local total, missing = 0, {'missing'}
@@ -284,6 +293,7 @@ for i = 1, k do
     redis.call('ZADD', leases, expiry, owner)
   end
 end
+redis.call('HSET', last_grant, 'token', token, 'reply', cjson.encode(out))
 return out
 """,
     # ARGV: owner, k, k pages, k epochs. All or nothing. Returns how many pages the owner still holds.
@@ -578,8 +588,11 @@ REPEAT = {
     "register": Repeat("same", "it resets the pool to the same fresh records; only its own worker grants from it, "
                                "and that worker is still waiting for this reply"),
     "unregister": Repeat("same", "deleting keys that are deleted already"),
-    "grant": Repeat("never", "a repeat grants fresh pages again: the first grant's pages would be held under the "
-                             "owner's lease by nobody who knows them (a double grant)"),
+    "grant": Repeat("same", "each call carries a fresh token, and a grant that granted pages records its token "
+                            "and reply in the pool's last_grant (only the pool's worker grants, one call at a "
+                            "time): the repeat answers the first run's grant instead of granting again. Without "
+                            "the record a repeat would grant twice, the first grant's pages held under the owner's "
+                            "lease by nobody who knows them"),
     "free": Repeat("refused", "pages the first run freed are on the free list, no longer the owner's at those "
                               "epochs: refuse_unheld refuses the repeat"),
     "release": Repeat("never", "its reply names the pages the caller must scrub; a repeat frees nothing and "
@@ -626,7 +639,7 @@ def _few(items, limit: int = 20) -> str:
 
 def _pool_keys(prefix: str, pool_id: str) -> list[str]:
     return ([ledger_key(prefix, pool_id, part) for part in _KEY_PARTS] + [ledger_key(prefix)]
-            + [ledger_key(prefix, pool_id, part) for part in _SHARED_PARTS])
+            + [ledger_key(prefix, pool_id, part) for part in _SHARED_PARTS] + [ledger_key(prefix, pool_id, _GRANT_PART)])
 
 
 def _check_request_owner(owner: str) -> None:
@@ -819,7 +832,7 @@ class RedisLedger:
             raise LedgerError(f"pool {self.pool_id}: cannot keep {keep_free} pages free; ask for 0 or more")
         counts = [int(n) for _, n in requests]
         flat = self._call("grant", _ms(self.lease_ttl_s), int(must_hold), self.max_epoch, int(keep_free),
-                          len(owners), *owners, *counts)
+                          len(owners), *owners, *counts, uuid.uuid4().hex)
         if flat is None:
             return None
         if flat and _str(flat[0]) == "missing":

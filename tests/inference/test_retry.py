@@ -111,19 +111,22 @@ def paused_and_killed(server: OwnRedis, call, name: str) -> dict:
     return out
 
 
-def test_a_lease_renewal_succeeds_across_a_killed_connection_and_a_grant_fails_closed(own_redis):
+def test_renewals_and_grants_succeed_across_a_killed_connection_and_a_release_fails_closed(own_redis):
     name = "kvstest-ledger"
     client = redis.Redis.from_url(own_redis.url, client_name=name)
     ledger = RedisLedger.register(client, "p0", "decode", num_pages=8, page_size=16, lease_ttl_s=30)
     grant = ledger.allocate("req-a", 2)
-    before = ledger.snapshot()
 
     out = paused_and_killed(own_redis, lambda: ledger.renew_leases(["req-a", "req-gone"]), name)
     assert out == {"value": ["req-gone"]}  # repeated after reconnecting; renewed req-a
 
     out = paused_and_killed(own_redis, lambda: ledger.allocate("req-b", 2), name)
-    assert isinstance(out.get("error"), redis.ConnectionError)  # a grant is never repeated
-    assert ledger.snapshot() == before and ledger.num_free() == 6  # the killed grant never ran: nothing granted
+    assert ledger.pages_of("req-b") == dict(zip(out["value"].pages, out["value"].epochs))  # granted once
+    before = ledger.snapshot()
+
+    out = paused_and_killed(own_redis, lambda: ledger.release("req-a"), name)
+    assert isinstance(out.get("error"), redis.ConnectionError)  # its reply names what to scrub: never repeated
+    assert ledger.snapshot() == before and ledger.num_free() == 4  # the killed release never ran
     assert ledger.pages_of("req-a") == dict(zip(grant.pages, grant.epochs))
     ledger.check_integrity()
 
@@ -165,7 +168,7 @@ def lossy(ledger_prefix):
 def test_every_ledger_script_is_classed():
     assert REPEAT.keys() == _SCRIPTS.keys()
     assert {r.kind for r in REPEAT.values()} <= {"same", "refused", "never"}
-    assert REPEAT["grant"].kind == REPEAT["release"].kind == REPEAT["claim_dirty"].kind == "never"
+    assert REPEAT["release"].kind == REPEAT["claim_dirty"].kind == "never"
 
 
 def test_a_free_whose_reply_was_lost_is_done_once_and_answers_as_it_would_have(lossy):
@@ -221,12 +224,26 @@ def test_a_beat_whose_reply_was_lost_is_repeated_and_renews(lossy):
     lossy.check_integrity()
 
 
-def test_a_grant_whose_reply_was_lost_is_not_repeated(lossy):
+def test_a_grant_whose_reply_was_lost_answers_its_first_run_and_grants_once(lossy):
     lossy.lose_next("grant")
-    with pytest.raises(redis.ConnectionError):
-        lossy.allocate("req", 2)
-    assert len(lossy.pages_of("req")) == 2  # granted once (held under its lease until it runs out), never twice
+    grant = lossy.allocate("req", 2)
+    assert lossy.pages_of("req") == dict(zip(grant.pages, grant.epochs))  # not 4 pages: never granted twice
+    assert lossy.num_free() == 6
+    lossy.allocate("other", 1)
+    lossy.lose_next("grant")
+    (a, b) = lossy.extend_many([("req", 1), ("other", 2)])
+    assert len(lossy.pages_of("req")) == 3 and len(lossy.pages_of("other")) == 3 and lossy.num_free() == 2
+    assert set(a.pages) | set(b.pages) <= set(lossy.pages_of("req")) | set(lossy.pages_of("other"))
+    assert lossy.max_epoch == max(b.epochs)
     lossy.check_integrity()
+
+
+def test_a_release_whose_reply_was_lost_is_not_repeated(lossy):
+    lossy.allocate("req", 2)
+    lossy.lose_next("release")
+    with pytest.raises(redis.ConnectionError):
+        lossy.release("req")
+    assert lossy.num_free() == 8  # it ran once; its reply (the pages to scrub) is the caller's to miss
 
 
 def test_a_publish_whose_reply_was_lost_appends_nothing_twice(ledger_prefix):
