@@ -6,8 +6,11 @@ renews and reaps its leases and scrubs its dirty pages; anyone else may read it,
 a worker that is gone (`unregister`), never mark its pages clean. Epochs are fencing tokens: a pool
 re-registered after its records were lost starts a new generation whose epochs are above every epoch
 its worker has seen (`reset`), and a client refuses a pool whose counter is behind what it saw.
+A script runs again after a dropped connection only where REPEAT says a repeat is harmless (inference.retry).
 """
+import logging
 import time
+import uuid
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -16,6 +19,9 @@ import redis
 from redis.exceptions import ResponseError
 
 from inference.allocator import CACHE_ENTRY_PREFIX, Grant, IntegrityError, LedgerError, NotHolding, PoolLost, cache_entry
+from inference.retry import repeat
+
+log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "sandbox")
 # Every script gets the pool's fixed keys as KEYS in this order, and ARGV[1..2] = owner-key prefix, pool id.
@@ -24,6 +30,9 @@ GENERATION_SPAN = 2**32  # epochs of generation g lie in (g * span, (g + 1) * sp
 # Shared (prefix-cache) pages, after the pool's fixed keys: scope (page -> salt of each cached page),
 # reader_scope (reader -> the salt it reads under), and two key prefixes: readers:<page>, reads:<owner>.
 _SHARED_PARTS = ("scope", "reader_scope", "readers:", "reads:")
+# Then last_grant: the token and reply of the pool's latest grant, so that a grant repeated after its reply was
+# lost answers that grant instead of granting again.
+_GRANT_PART = "last_grant"
 
 
 def ledger_key(prefix: str, pool_id: str | None = None, part: str = "") -> str:
@@ -57,6 +66,7 @@ _PREAMBLE = """
 local meta, free, page_owner, page_epoch, owners, leases, dirty, epoch, scrubbing, pools = unpack(KEYS)
 local owner_prefix, pool = ARGV[1], ARGV[2]
 local scope, reader_scope, readers_prefix, reads_prefix = KEYS[11], KEYS[12], KEYS[13], KEYS[14]
+local last_grant = KEYS[15]
 local function fail(kind, msg) return redis.error_reply(kind .. ' pool ' .. pool .. ': ' .. msg) end
 local function unregistered()
   return fail('UNREGISTERED', 'not registered; its worker registers it at start (was Redis restarted '
@@ -103,7 +113,8 @@ end
 local function wipe()
   for _, o in ipairs(all_owners()) do redis.call('DEL', owner_prefix .. o, reads_prefix .. o) end
   for _, p in ipairs(redis.call('HKEYS', scope)) do redis.call('DEL', readers_prefix .. p) end
-  redis.call('DEL', meta, free, page_owner, page_epoch, owners, leases, dirty, scrubbing, scope, reader_scope)
+  redis.call('DEL', meta, free, page_owner, page_epoch, owners, leases, dirty, scrubbing, scope, reader_scope,
+             last_grant)
 end
 -- ---- shared pages ----
 -- ends every read of `owner` (its pages in reads:<owner>)
@@ -240,13 +251,16 @@ redis.call('DEL', epoch)
 redis.call('SREM', pools, pool)
 return 1
 """,
-    # ARGV: ttl_ms, must_hold, floor, keep_free, k, k owners, k counts. All or nothing: {page, epoch, ...}
+    # ARGV: ttl_ms, must_hold, floor, keep_free, k, k owners, k counts, token. All or nothing: {page, epoch, ...}
     # for the owners in the order given, nil when fewer than (their total + keep_free) pages are free, or
     # {'missing', owners...} when must_hold and those owners hold nothing (granting nothing).
-    # One script for a single grant and for a step's growth of many sequences (one round trip).
+    # One script for a single grant and for a step's growth of many sequences (one round trip). A grant that
+    # granted pages records its token and reply in last_grant; the same token again answers that reply.
     "grant": """
 local ttl_ms, must_hold, keep_free, k = tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[6]), tonumber(ARGV[7])
 if not registered() then return unregistered() end
+local token = ARGV[8 + 2 * k]
+if redis.call('HGET', last_grant, 'token') == token then return cjson.decode(redis.call('HGET', last_grant, 'reply')) end
 local stale = behind(tonumber(ARGV[5]))
 if stale then return stale end
 local total, missing = 0, {'missing'}
@@ -279,6 +293,7 @@ for i = 1, k do
     redis.call('ZADD', leases, expiry, owner)
   end
 end
+redis.call('HSET', last_grant, 'token', token, 'reply', cjson.encode(out))
 return out
 """,
     # ARGV: owner, k, k pages, k epochs. All or nothing. Returns how many pages the owner still holds.
@@ -543,6 +558,68 @@ return out
 """,
 }
 _SCRIPTS.update(_SHARED_SCRIPTS)
+# ARGV: pages... For each page {owner or false, epoch or false, scope or false, on the free list 0/1}: what a
+# repeated script reads back to learn whether its first run took effect (RedisLedger._call).
+_SCRIPTS["states"] = """
+local out = {}
+for i = 3, #ARGV do
+  local page = ARGV[i]
+  out[#out + 1] = {redis.call('HGET', page_owner, page), redis.call('HGET', page_epoch, page),
+                   redis.call('HGET', scope, page), redis.call('LPOS', free, page) and 1 or 0}
+end
+return out
+"""
+
+
+@dataclass(frozen=True)
+class Repeat:
+    """Whether a script may run again after a dropped connection lost its reply (inference.retry), and why.
+    `same`: a repeat leaves the records as the first run left them and answers as it did (or as the
+    reason says). `refused`: a repeat of a run that took effect is refused by the script's own epoch or
+    owner checks and changes nothing; the client then reads back whether the first run's effect is in
+    place and answers from that, else the refusal stands. `never`: a repeat would do the work twice or
+    lose what the first run's reply carried: the dropped connection fails the call, closed."""
+
+    kind: str  # same | refused | never
+    why: str
+
+
+REPEAT = {
+    "register": Repeat("same", "it resets the pool to the same fresh records; only its own worker grants from it, "
+                               "and that worker is still waiting for this reply"),
+    "unregister": Repeat("same", "deleting keys that are deleted already"),
+    "grant": Repeat("same", "each call carries a fresh token, and a grant that granted pages records its token "
+                            "and reply in the pool's last_grant (only the pool's worker grants, one call at a "
+                            "time): the repeat answers the first run's grant instead of granting again. Without "
+                            "the record a repeat would grant twice, the first grant's pages held under the owner's "
+                            "lease by nobody who knows them"),
+    "free": Repeat("refused", "pages the first run freed are on the free list, no longer the owner's at those "
+                              "epochs: refuse_unheld refuses the repeat"),
+    "release": Repeat("never", "its reply names the pages the caller must scrub; a repeat frees nothing and "
+                               "answers [], so the first run's pages would go unscrubbed"),
+    "renew": Repeat("same", "pushing an expiry to now + TTL again"),
+    "reap": Repeat("same", "each expired owner is reaped once; a repeat reaps only owners that expired since, "
+                           "so the first run's events are lost with its reply (their pages are dirty either way "
+                           "and reach the scrubber through claim_dirty)"),
+    "beat": Repeat("same", "renew, then reap (see both)"),
+    "claim_dirty": Repeat("never", "a repeat answers only pages nobody has claimed: the first run's claims "
+                                   "would be lost to their claimer and never scrubbed"),
+    "holds": Repeat("same", "a read"),
+    "mark_clean": Repeat("refused", "pages the first run marked clean are on the free list, no longer dirty: "
+                                    "the repeat is refused"),
+    "pages_of": Repeat("same", "a read"),
+    "facts": Repeat("same", "a read"),
+    "states": Repeat("same", "a read"),
+    "cache": Repeat("refused", "pages the first run cached belong to the cache entry, no longer to the owner: "
+                               "refuse_unheld refuses the repeat"),
+    "hit": Repeat("same", "the reads are sets and the reader's scope a field, set again to the same values; its "
+                          "lease is added only when it has none; nobody evicts a page with a reader meanwhile"),
+    "unread": Repeat("same", "a repeat finds no reads and ends none (it answers 0; no caller uses the count)"),
+    "evict": Repeat("refused", "pages the first run evicted are on the free list, no longer the entry's: the "
+                               "repeat is refused"),
+    "reads_of": Repeat("same", "a read"),
+}
+UNSETTLED = object()  # what a settle check answers when the first run's effect is not in place
 
 
 def _str(value) -> str:
@@ -562,7 +639,7 @@ def _few(items, limit: int = 20) -> str:
 
 def _pool_keys(prefix: str, pool_id: str) -> list[str]:
     return ([ledger_key(prefix, pool_id, part) for part in _KEY_PARTS] + [ledger_key(prefix)]
-            + [ledger_key(prefix, pool_id, part) for part in _SHARED_PARTS])
+            + [ledger_key(prefix, pool_id, part) for part in _SHARED_PARTS] + [ledger_key(prefix, pool_id, _GRANT_PART)])
 
 
 def _check_request_owner(owner: str) -> None:
@@ -667,7 +744,8 @@ class RedisLedger:
         script = redis_client.register_script(_PREAMBLE + _SCRIPTS["register"])
         owner_prefix = ledger_key(prefix, pool_id, "owner:")
         floor = generation * GENERATION_SPAN
-        _run(script, _pool_keys(prefix, pool_id), [owner_prefix, pool_id, role, num_pages, page_size, generation, floor])
+        argv = [owner_prefix, pool_id, role, num_pages, page_size, generation, floor]
+        repeat(lambda: _run(script, _pool_keys(prefix, pool_id), argv), f"ledger register of pool {pool_id}")
         ledger = cls(redis_client, pool_id, prefix, lease_ttl_s)
         ledger.max_epoch = floor
         return ledger
@@ -683,15 +761,46 @@ class RedisLedger:
     def key(self, part: str) -> str:
         return ledger_key(self.prefix, self.pool_id, part)
 
-    def _call(self, name: str, *args) -> object:
-        return _run(self._lua[name], self._keys, [self.key("owner:"), self.pool_id, *args])
+    def _call(self, name: str, *args, settled=None) -> object:
+        """Run script `name`; one that REPEAT allows runs again after a dropped connection (inference.retry).
+        A repeat that a `refused` script refuses answers settled() instead, when that finds the first run's
+        effect in place (else UNSETTLED: the refusal stands)."""
+        argv = [self.key("owner:"), self.pool_id, *args]
+        kind = REPEAT[name].kind
+        if kind == "never":
+            return _run(self._lua[name], self._keys, argv)
+        runs = []
+
+        def once():
+            runs.append(name)
+            try:
+                return _run(self._lua[name], self._keys, argv)
+            except LedgerError as exc:
+                if kind != "refused" or len(runs) == 1 or type(exc) is not LedgerError:
+                    raise
+                answer = settled()
+                if answer is UNSETTLED:
+                    raise
+                log.info("ledger %s on pool %s: its first run took effect (the reply was lost)", name, self.pool_id)
+                return answer
+
+        return repeat(once, f"ledger {name} on pool {self.pool_id}")
+
+    def _states(self, pages: Sequence[int]) -> list[tuple[str | None, int | None, str | None, bool]]:
+        """(owner, epoch, scope, on the free list) of each page, in one read."""
+        return [(None if o is None else _str(o), None if e is None else int(e), None if s is None else _str(s),
+                 bool(f)) for o, e, s, f in self._call("states", *pages)]
+
+    def _all_free(self, pages: Sequence[int], answer) -> object:
+        """answer() when every page is on the free list (what free, evict and mark_clean leave), else UNSETTLED."""
+        return answer() if all(free for *_, free in self._states(pages)) else UNSETTLED
 
     def unregister(self) -> None:
         """Delete every key of this pool, its epoch counter included."""
         self._call("unregister")
 
     def num_free(self) -> int:
-        return self.redis.llen(self.key("free"))
+        return repeat(lambda: self.redis.llen(self.key("free")), f"free pages of pool {self.pool_id}")
 
     def allocate(self, owner: str, n: int, keep_free: int = 0) -> Grant | None:
         """Pop n pages off the head of the free list, each under a fresh epoch; None when fewer than
@@ -723,7 +832,7 @@ class RedisLedger:
             raise LedgerError(f"pool {self.pool_id}: cannot keep {keep_free} pages free; ask for 0 or more")
         counts = [int(n) for _, n in requests]
         flat = self._call("grant", _ms(self.lease_ttl_s), int(must_hold), self.max_epoch, int(keep_free),
-                          len(owners), *owners, *counts)
+                          len(owners), *owners, *counts, uuid.uuid4().hex)
         if flat is None:
             return None
         if flat and _str(flat[0]) == "missing":
@@ -744,7 +853,10 @@ class RedisLedger:
         pages, epochs = [int(p) for p in pages], [int(e) for e in epochs]
         if len(pages) != len(epochs):
             raise LedgerError(f"pool {self.pool_id}: free got {len(pages)} pages but {len(epochs)} epochs")
-        return self._call("free", owner, len(pages), *pages, *epochs) if pages else None
+        if not pages:
+            return None
+        return self._call("free", owner, len(pages), *pages, *epochs,
+                          settled=lambda: self._all_free(pages, lambda: len(self.pages_of(owner))))
 
     def release(self, owner: str) -> list[int]:
         """Free everything the owner holds and drop its lease; returns the pages, sorted."""
@@ -788,7 +900,7 @@ class RedisLedger:
         (all or nothing)."""
         pages = [int(p) for p in pages]
         if pages:
-            self._call("mark_clean", claimer, *pages)
+            self._call("mark_clean", claimer, *pages, settled=lambda: self._all_free(pages, lambda: None))
 
     def owner_of(self, page: int) -> tuple[str, int] | None:
         with self.redis.pipeline(transaction=True) as pipe:
@@ -809,7 +921,11 @@ class RedisLedger:
         pages, epochs = [int(p) for p in pages], [int(e) for e in epochs]
         if len(pages) != len(epochs):
             raise LedgerError(f"pool {self.pool_id}: cache got {len(pages)} pages but {len(epochs)} epochs")
-        self._call("cache", owner, entry, salt, _ms(self.lease_ttl_s), len(pages), *pages, *epochs)
+        def settled():
+            cached = [(entry, e, salt) for e in epochs]
+            return entry if [state[:3] for state in self._states(pages)] == cached else UNSETTLED
+
+        self._call("cache", owner, entry, salt, _ms(self.lease_ttl_s), len(pages), *pages, *epochs, settled=settled)
         return entry
 
     def hit(self, reader: str, salt: str, pages: Sequence[int], epochs: Sequence[int]) -> bool:
@@ -833,7 +949,11 @@ class RedisLedger:
         pages, epochs = [int(p) for p in pages], [int(e) for e in epochs]
         if len(pages) != len(epochs):
             raise LedgerError(f"pool {self.pool_id}: evict got {len(pages)} pages but {len(epochs)} epochs")
-        return int(self._call("evict", cache_entry(salt), len(pages), *pages, *epochs)) if pages else 0
+        if not pages:
+            return 0
+        entry = cache_entry(salt)
+        return int(self._call("evict", entry, len(pages), *pages, *epochs,
+                              settled=lambda: self._all_free(pages, lambda: len(self.pages_of(entry)))))
 
     def reads_of(self, reader: str) -> list[int]:
         return [int(p) for p in self._call("reads_of", reader)]

@@ -5,6 +5,7 @@ Owns the Redis keys under `{prefix}:workers:` only (the ledger module owns the p
 A registration expires with its TTL, on Redis' clock; that alone never makes a worker dead (a paused
 worker's registration lapses too, and so does everyone's when Redis' clock steps). `silence` counts
 the observer's rounds in which a worker did not beat at all: clock-free evidence that it stopped.
+Registrations, heartbeats and reads repeat across a dropped connection (inference.retry).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inference import admission
+from inference.retry import repeat
 
 PREFILL = "prefill"
 DECODE = "decode"
@@ -123,29 +125,30 @@ class Registry:
         info = dataclasses.replace(
             info, started_at=info.started_at or now, heartbeat_at=now, quarantined=False
         )
+        repeat(lambda: self._write(info), f"registering {info.worker_id}")
+        return self._with_quarantine(info)
+
+    def _write(self, info: WorkerInfo) -> None:
+        """The registration, its index entry and one more beat. Safe to repeat: a repeated beat counts one more
+        beat, which only says the worker is alive (silence compares counts between rounds)."""
         pipe = self.redis.pipeline()
         pipe.set(self.key("info", info.worker_id), json.dumps(info.to_dict()), px=self.ttl_ms)
         pipe.sadd(self.key("index"), info.worker_id)
         pipe.hincrby(self.key("beats"), info.worker_id, 1)
         pipe.execute()
-        return self._with_quarantine(info)
 
     def heartbeat(self, worker_id: str, /, **changes: Any) -> WorkerInfo:
         fields = {f.name for f in dataclasses.fields(WorkerInfo)}
         forbidden = (set(changes) - fields) | ({"worker_id", "quarantined"} & set(changes))
         if forbidden:
             raise ValueError(f"heartbeat cannot change {sorted(forbidden)}")
-        raw = self.redis.get(self.key("info", worker_id))
+        raw = repeat(lambda: self.redis.get(self.key("info", worker_id)), f"reading {worker_id}'s registration")
         if raw is None:
             raise WorkerNotRegistered(worker_id)
         info = dataclasses.replace(
             WorkerInfo.from_dict(json.loads(raw)), **changes, heartbeat_at=time.time()
         )
-        pipe = self.redis.pipeline()
-        pipe.set(self.key("info", worker_id), json.dumps(info.to_dict()), px=self.ttl_ms)
-        pipe.sadd(self.key("index"), worker_id)
-        pipe.hincrby(self.key("beats"), worker_id, 1)
-        pipe.execute()
+        repeat(lambda: self._write(info), f"heartbeat of {worker_id}")
         return self._with_quarantine(info)
 
     def unregister(self, worker_id: str) -> None:
@@ -177,6 +180,10 @@ class Registry:
     # --- reads ----------------------------------------------------------------------------
 
     def live_workers(self, role: str | None = None) -> list[WorkerInfo]:
+        """Reads, and prunes expired entries from the index (a repeat prunes nothing more)."""
+        return repeat(lambda: self._live_workers(role), "reading the worker registry")
+
+    def _live_workers(self, role: str | None) -> list[WorkerInfo]:
         ids = sorted(_text(i) for i in self.redis.smembers(self.key("index")))
         if not ids:
             return []
@@ -219,7 +226,7 @@ class Registry:
         return bool(self.redis.delete(self.key("quarantine", worker_id)))
 
     def is_quarantined(self, worker_id: str) -> bool:
-        return bool(self.redis.exists(self.key("quarantine", worker_id)))
+        return bool(repeat(lambda: self.redis.exists(self.key("quarantine", worker_id)), f"reading {worker_id}'s quarantine"))
 
     def quarantine_reason(self, worker_id: str) -> str | None:
         return _text(self.redis.hget(self.key("quarantine", worker_id), "reason"))

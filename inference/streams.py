@@ -3,19 +3,43 @@ reads them (blocking) for SSE and for non-streamed answers. No subscribe/publish
 arrives late still sees every event from the start.
 
 Retention: while a request runs its stream lives `ttl_s` past its latest event; the final event cuts
-that to the retention the API recorded at admission (`retain`), or to `replay_s` when none was."""
+that to the retention the API recorded at admission (`retain`), or to `replay_s` when none was.
+
+A dropped connection is not a lost event: reads repeat from the last entry seen, and a publish is keyed by
+its batch, so a batch repeated after its reply was lost appends nothing twice (inference.retry)."""
 import json
 import time
+import uuid
 
-# KEYS: stream, retention; ARGV: event json, fallback seconds, maxlen. The final event and its expiry in one step.
-_FINAL_LUA = """
-redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', 'e', ARGV[1])
-local keep = tonumber(redis.call('GET', KEYS[2])) or tonumber(ARGV[2])
-redis.call('EXPIRE', KEYS[1], keep)
-redis.call('EXPIRE', KEYS[2], keep)
-return keep
+import redis
+
+from inference.retry import repeat, repeat_async
+
+# KEYS: the batch's key, the previous batch's key (or ''), then per event its stream and retention key; ARGV: running
+# TTL, replay seconds, maxlen, then per event 'final' or 'delta' and its json. Appends the events past the count
+# the batch's key records (a batch repeated after its reply was lost appends nothing twice), a final event
+# setting its stream's expiry; records the count; the previous batch, answered, no longer needs its key.
+_PUBLISH_LUA = """
+local ttl, replay, maxlen = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
+local n = (#ARGV - 3) / 2
+local done = tonumber(redis.call('GET', KEYS[1]) or '0')
+for i = done + 1, n do
+  local stream, keep_key = KEYS[1 + 2 * i], KEYS[2 + 2 * i]
+  redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'e', ARGV[3 + 2 * i])
+  if ARGV[2 + 2 * i] == 'final' then
+    local keep = tonumber(redis.call('GET', keep_key)) or replay
+    redis.call('EXPIRE', stream, keep)
+    redis.call('EXPIRE', keep_key, keep)
+  else
+    redis.call('EXPIRE', stream, ttl)
+  end
+end
+redis.call('SET', KEYS[1], string.format('%d', n), 'EX', ttl)
+if KEYS[2] ~= '' then redis.call('DEL', KEYS[2]) end
+return n - done
 """
 MAXLEN = 100_000
+BLOCK_S = 1.0  # the longest XREAD BLOCK
 
 
 def decode_entries(reply) -> list[tuple[bytes, dict]]:
@@ -37,7 +61,7 @@ class OutputStream:
         self.prefix = prefix
         self.ttl_s = ttl_s
         self.replay_s = replay_s
-        self._final = redis.register_script(_FINAL_LUA)
+        self._publish = redis.register_script(_PUBLISH_LUA)
 
     def key(self, request_id: str) -> str:
         return f"{self.prefix}:out:{request_id}"
@@ -47,22 +71,31 @@ class OutputStream:
 
     def retain(self, request_id: str, keep_s: int) -> None:
         """Records, before the request is queued, how long its stream stays after its final event."""
-        self.redis.set(self.retention_key(request_id), int(keep_s), ex=self.ttl_s + int(keep_s))
+        repeat(lambda: self.redis.set(self.retention_key(request_id), int(keep_s), ex=self.ttl_s + int(keep_s)),
+               f"recording the retention of {request_id}")
 
-    def publish_many(self, events: list[tuple[str, dict]]) -> None:
-        """[(request_id, event)] in one round trip. Event types: delta, done, error."""
+    def batch_key(self, batch: str) -> str:
+        return f"{self.prefix}:outbatch:{batch}"
+
+    def publish_many(self, events: list[tuple[str, dict]], batch: str | None = None, answered: str | None = None) -> int:
+        """[(request_id, event)] in one atomic step, repeated after a dropped connection. Event types: delta,
+        done, error. `batch` keys the call: the same batch published again (its reply was lost, and events
+        may have been added to its tail since) appends only what the earlier call did not; `answered`, an
+        earlier batch whose call returned, is forgotten. Returns how many events were appended."""
         if not events:
-            return
-        pipe = self.redis.pipeline(transaction=False)
+            return 0
+        keys = [self.batch_key(batch or uuid.uuid4().hex), self.batch_key(answered) if answered else ""]
+        args = [self.ttl_s, self.replay_s, MAXLEN]
         for request_id, event in events:
-            key = self.key(request_id)
-            if is_final(event):
-                self._final(keys=[key, self.retention_key(request_id)],
-                            args=[json.dumps(event), self.replay_s, MAXLEN], client=pipe)
-            else:
-                pipe.xadd(key, {"e": json.dumps(event)}, maxlen=MAXLEN, approximate=True)
-                pipe.expire(key, self.ttl_s)
-        pipe.execute()
+            keys += [self.key(request_id), self.retention_key(request_id)]
+            args += ["final" if is_final(event) else "delta", json.dumps(event)]
+        appended = int(repeat(lambda: self._publish(keys=keys, args=args), f"publishing {len(events)} output events"))
+        if batch is None:  # a one-off call: its key is not needed past its answer
+            try:
+                self.redis.delete(keys[0])
+            except redis.RedisError:
+                pass  # it expires with the running TTL
+        return appended
 
     def reads_key(self) -> str:
         return f"{self.prefix}:reads"
@@ -83,15 +116,17 @@ class OutputStream:
         ReaderStopped soon after `stop` (a threading.Event) is set."""
         key = self.key(request_id)
         deadline = time.monotonic() + timeout_s
-        block_s = 2.0 if stop is None else 0.25
+        block_s = BLOCK_S if stop is None else 0.25
         while True:
             if stop is not None and stop.is_set():
                 raise ReaderStopped(request_id)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"no output for {request_id} within {timeout_s}s")
-            # short blocking reads: a client's socket timeout (redis-py's default is 5 s) never trips
-            reply = self.redis.xread({key: last_id}, block=max(1, int(min(left, block_s) * 1000)), count=256)
+            # short blocking reads: a client's socket timeout (redis-py's default is 5 s) never trips, and a
+            # read repeated after a dropped connection is repeated within inference.retry's budget
+            block_ms = max(1, int(min(left, block_s) * 1000))
+            reply = repeat(lambda: self.redis.xread({key: last_id}, block=block_ms, count=256), f"reading {key}")
             if not reply:
                 continue
             for last_id, event in decode_entries(reply):
@@ -117,16 +152,21 @@ class AsyncOutputStream:
         """Yields events until a final one (done/error), and None after each `idle_s` of silence (for
         keep-alives); raises TimeoutError after `timeout_s` without an event."""
         key = self.key(request_id)
-        silent = 0.0
+        silent = quiet = 0.0  # since the last event; since the last event or keep-alive
         while True:
-            wait = timeout_s - silent if idle_s is None else min(idle_s, timeout_s - silent)
-            reply = await self.redis.xread({key: last_id}, block=max(1, int(wait * 1000)), count=256)
+            wait = min(BLOCK_S, timeout_s - silent, (idle_s - quiet) if idle_s is not None else BLOCK_S)
+            block_ms = max(1, int(wait * 1000))
+            reply = await repeat_async(lambda: self.redis.xread({key: last_id}, block=block_ms, count=256),
+                                       f"reading {key}")
             if not reply:
-                silent += wait
+                silent, quiet = silent + wait, quiet + wait
                 if silent >= timeout_s:
                     raise TimeoutError(f"no output for {request_id} within {timeout_s}s")
-                yield None
+                if idle_s is not None and quiet >= idle_s:
+                    quiet = 0.0
+                    yield None
                 continue
+            quiet = 0.0
             silent = 0.0
             for last_id, event in decode_entries(reply):
                 yield event

@@ -8,6 +8,7 @@ import json
 import torch
 
 from inference.handoff import Handoff, TransportedKV
+from inference.retry import repeat
 
 
 def _meta(handoff: Handoff, blob: torch.Tensor) -> dict:
@@ -32,11 +33,17 @@ class RedisTransport:
         self.send_raw(handoff.request_id, _meta(handoff, blob), _raw(blob))
 
     def send_raw(self, request_id: str, meta: dict, raw: bytes) -> None:
-        self.redis.hset(self.key(request_id), mapping={"meta": json.dumps(meta), "blob": raw})
-        self.redis.expire(self.key(request_id), self.ttl_s)
+        def store():
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.hset(self.key(request_id), mapping={"meta": json.dumps(meta), "blob": raw})
+            pipe.expire(self.key(request_id), self.ttl_s)
+            pipe.execute()
+
+        repeat(store, f"sending the KV of {request_id}")  # the same value again
 
     def take(self, request_id: str) -> TransportedKV | None:
-        """The stored KV of `request_id`, deleted in the same transaction; None when there is none."""
+        """The stored KV of `request_id`, deleted in the same transaction; None when there is none. Not repeated
+        after a dropped connection: a repeat finds it deleted, and the request fails closed."""
         pipe = self.redis.pipeline(transaction=True)
         pipe.hgetall(self.key(request_id))
         pipe.delete(self.key(request_id))

@@ -255,6 +255,8 @@ class WorkerRuntime:
         self._futures: dict[str, Future] = {}  # requests this worker runs, by id
         self._pending: deque[DecodeCommand] = deque()  # verified decodes waiting for pages
         self._outbox: list[tuple[str, dict]] = []  # output events Redis has not taken yet
+        self._outbox_batch = uuid.uuid4().hex  # keys the outbox's publish (inference.streams.publish_many)
+        self._answered_batch: str | None = None
         self._unclean: list[int] = []  # scrubbed pages whose mark_clean Redis has not taken yet
         self._pool_down: str | None = None  # why, while the pool waits to be registered again
         self._next_register = 0.0
@@ -640,14 +642,16 @@ class WorkerRuntime:
     def _flush(self) -> None:
         if not self._outbox:
             return
-        try:
-            self.outputs.publish_many(self._outbox)
+        try:  # one batch until Redis answers it: a repeat after a lost reply appends nothing twice
+            self.outputs.publish_many(self._outbox, batch=self._outbox_batch, answered=self._answered_batch)
         except redis_lib.RedisError as exc:
-            if len(self._outbox) > MAX_OUTBOX:
+            if len(self._outbox) > MAX_OUTBOX:  # the batch's head is gone: what follows is a batch of its own
                 del self._outbox[: len(self._outbox) - MAX_OUTBOX]
+                self._outbox_batch = uuid.uuid4().hex
             log.warning("%d output events wait for Redis: %r", len(self._outbox), exc)
             return
         self._outbox = []
+        self._answered_batch, self._outbox_batch = self._outbox_batch, uuid.uuid4().hex
 
     def _die(self, reason: str) -> None:
         """The loop cannot go on: fail what it holds, stop being advertised, let the supervisor restart us."""

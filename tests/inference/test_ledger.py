@@ -69,7 +69,7 @@ def test_register_lays_out_keys(pool, redis_client, ledger_prefix):
 
     pool.allocate("a", 2)
     assert {k.decode().removeprefix(base + ":") for k in redis_client.scan_iter(match=f"{base}:*")} == {
-        "meta", "free", "page_owner", "page_epoch", "owners", "leases", "epoch", "owner:a"
+        "meta", "free", "page_owner", "page_epoch", "owners", "leases", "epoch", "owner:a", "last_grant"
     }
 
 
