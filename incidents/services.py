@@ -2,6 +2,7 @@
 incident on a worker quarantines that worker in the registry until an admin calls `worker_release`.
 """
 import logging
+import threading
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from django.db import transaction
@@ -132,4 +133,5 @@ def probe_run(name: str, probe_id: str) -> None:
     except Exception as exc:  # no answer to the probe's question: not judged (incidents/canary/probes.py)
         log.exception("canary probe %s failed in this worker", name)
         result = {"ok": False, "reason": f"error: the probe raised {type(exc).__name__}: {exc}"}
-    probe_record(probe_id, {"probe": name, "worker": runtime.worker_id, "role": runtime.role, **result})
+    probe_record(probe_id, {"probe": name, "worker": runtime.worker_id, "role": runtime.role,
+                            "thread": threading.current_thread().name, **result})

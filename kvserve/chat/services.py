@@ -321,7 +321,8 @@ def _handoff_incident(runtime, req, refused: HandoffRefused, handoff: dict) -> N
         from incidents.services import probe_record
 
         return probe_record(req.id, {"probe": "handoff", "worker": runtime.worker_id, "request": req.id,
-                                     "refused": refused.kind, "reason": refused.reason[:500]})
+                                     "refused": refused.kind, "reason": refused.reason[:500],
+                                     "thread": threading.current_thread().name})
     if not refused.is_incident or refused.kind == "kv_missing":
         return
     kind = refused.kind if refused.kind in ("handoff_forged", "handoff_mismatch", "stale_epoch") else "handoff_mismatch"

@@ -298,6 +298,10 @@ def test_a_saturated_decode_worker_is_judged_through_its_probe_lane_and_never_qu
     cases = decode["checks"]["handoff"]["cases"]
     assert {c: r["outcome"] for c, r in cases.items()} == dict.fromkeys(cases, "passed") and len(cases) == 6
     assert cases["valid"]["got"]["status"] == "done"
+    # each answer came from the worker's probe lane, not from a Celery thread a stream let go of
+    threads = [decode["checks"][n]["thread"] for n in ("guard", "scrub")]
+    threads += [r["got"]["record"]["thread"] for c, r in cases.items() if c != "valid"]
+    assert threads and all(t.startswith("probe-lane") for t in threads), threads
     assert rows(s, "select count(*) from incidents_incident") == [(0,)]
     assert not any(s.registry().is_quarantined(w.worker_id) for w in s.registry().live_workers())
     for r in results:  # served throughout: every stream ends normally, and content came while the canary ran
