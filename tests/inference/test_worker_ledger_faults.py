@@ -85,15 +85,15 @@ class Fault:
     def arm(self, runtime, site: str, nth: int = 1) -> None:
         real, seen = runtime.ledger._call, [0]
 
-        def call(name, *args):
+        def call(name, *args, **kw):
             if name == site == "claim_dirty" and not self.admin.scard(runtime.ledger.key("dirty")):
-                return real(name, *args)  # a claim with nothing to claim would lose nothing
+                return real(name, *args, **kw)  # a claim with nothing to claim would lose nothing
             if name == site and not self.fired.is_set():
                 seen[0] += 1
                 if seen[0] == nth:
                     self.fired.set()
                     self.inject()
-            return real(name, *args)
+            return real(name, *args, **kw)
 
         runtime.ledger._call = call
 
