@@ -22,13 +22,17 @@ BACKOFF_S = (0.05, 0.2, 0.5)  # waits between attempts: four attempts at most
 BUDGET_S = 2.0  # no attempt starts later than this after the first drop (leases live >= 4 s, 30 s by default)
 
 
-def _next_delay(attempt: int, dropped: float, budget_s: float) -> float | None:
-    """The wait before attempt `attempt + 1` (the first drop was at `dropped`), or None when the call gives up.
-    The budget counts from the first drop, not the first attempt: a blocking read may have waited long before."""
-    if attempt >= len(BACKOFF_S):
-        return None
-    delay = BACKOFF_S[attempt]
-    return delay if time.monotonic() - dropped + delay <= budget_s else None
+def _after_drop(exc: Exception, what: str, attempt: int, dropped: float, budget_s: float) -> float:
+    """The wait before attempt `attempt + 1` (the first drop was at `dropped`); re-raises `exc` when the call
+    gives up. The budget counts from the first drop, not the first attempt: a blocking read may have waited
+    long before."""
+    delay = BACKOFF_S[attempt] if attempt < len(BACKOFF_S) else None
+    if delay is None or time.monotonic() - dropped + delay > budget_s:
+        log.warning("Redis connection dropped during %s %d times in %.1fs; giving up: %r", what,
+                    attempt + 1, time.monotonic() - dropped, exc)
+        raise exc
+    log.info("Redis connection dropped during %s (%r); repeating it in %.2fs", what, exc, delay)
+    return delay
 
 
 def repeat(call: Callable[[], T], what: str, budget_s: float = BUDGET_S) -> T:
@@ -39,12 +43,7 @@ def repeat(call: Callable[[], T], what: str, budget_s: float = BUDGET_S) -> T:
             return call()
         except DROPPED as exc:
             dropped = dropped or time.monotonic()
-            delay = _next_delay(attempt, dropped, budget_s)
-            if delay is None:
-                log.warning("Redis connection dropped during %s %d times in %.1fs; giving up: %r", what,
-                            attempt + 1, time.monotonic() - dropped, exc)
-                raise
-            log.info("Redis connection dropped during %s (%r); repeating it in %.2fs", what, exc, delay)
+            delay = _after_drop(exc, what, attempt, dropped, budget_s)
         attempt += 1
         time.sleep(delay)
 
@@ -57,11 +56,6 @@ async def repeat_async(call: Callable[[], Awaitable[T]], what: str, budget_s: fl
             return await call()
         except DROPPED as exc:
             dropped = dropped or time.monotonic()
-            delay = _next_delay(attempt, dropped, budget_s)
-            if delay is None:
-                log.warning("Redis connection dropped during %s %d times in %.1fs; giving up: %r", what,
-                            attempt + 1, time.monotonic() - dropped, exc)
-                raise
-            log.info("Redis connection dropped during %s (%r); repeating it in %.2fs", what, exc, delay)
+            delay = _after_drop(exc, what, attempt, dropped, budget_s)
         attempt += 1
         await asyncio.sleep(delay)
