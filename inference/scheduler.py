@@ -102,8 +102,12 @@ class Scheduler:
         return self.probe_reserve_pages if sum(not is_probe(s) for s in self.active) > 1 else 0
 
     def waits_for_preempted(self, seq: Sequence) -> bool:
-        """Whether `seq` must wait for preempted sequences to resume first (a probe never does)."""
-        return bool(self.waiting) and not is_probe(seq)
+        """Whether `seq` must wait for preempted sequences to resume first: those of a tenant holding no more
+        pages than its own, as the waiting queue would pick them (a probe never waits)."""
+        if not self.waiting or is_probe(seq):
+            return False
+        held = self.pages_held_by_tenant()
+        return min(held[t] for t in self.waiting.tenants()) <= held[seq.tenant]
 
     def pages_held_by_tenant(self) -> Counter:
         """tenant -> pages its admitted sequences hold (a shared prefix page counts for each reader)."""

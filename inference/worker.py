@@ -23,7 +23,6 @@ import socket
 import threading
 import time
 import uuid
-from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ import torch
 from inference.allocator import LedgerError, PoolLost
 from inference.cancel import Cancel, Cancellations
 from inference.engine import Engine, EngineConfig
+from inference.fair_queue import TenantQueues
 from inference.handoff import DecodeSide, Handoff, Verdict, handoff_accept
 from inference.host_ledger import UNREACHABLE, HostLedger
 from inference.ledger import RedisLedger, check_eviction_policy
@@ -170,6 +170,10 @@ class DecodeCommand:
     cached_tokens: int = 0  # of the prompt, read from prefill's prefix cache (reported in usage)
     future: Future = field(default_factory=Future, compare=False)
 
+    @property
+    def tenant(self) -> str:
+        return self.params.tenant
+
 
 @dataclass(frozen=True)
 class ReclaimCommand:
@@ -253,7 +257,7 @@ class WorkerRuntime:
         self.on_fatal = on_fatal or exit_process
         self._commands: queue.Queue = queue.Queue()
         self._futures: dict[str, Future] = {}  # requests this worker runs, by id
-        self._pending: deque[DecodeCommand] = deque()  # verified decodes waiting for pages
+        self._pending: TenantQueues[DecodeCommand] = TenantQueues()  # verified decodes waiting for pages
         self._outbox: list[tuple[str, dict]] = []  # output events Redis has not taken yet
         self._outbox_batch = uuid.uuid4().hex  # keys the outbox's publish (inference.streams.publish_many)
         self._answered_batch: str | None = None
@@ -441,7 +445,7 @@ class WorkerRuntime:
                     self._futures[rid] = cmd.future
             else:
                 self._futures[rid] = cmd.future
-                self._pending.append(cmd)
+                self._pending.add(cmd)
         elif isinstance(cmd, (ReclaimCommand, LeaseCheckCommand)):
             if self._pool_down is None and cmd.generation == self.ledger.generation:
                 self._reclaim(cmd.pages) if isinstance(cmd, ReclaimCommand) else self._check_leases(cmd.owners)
@@ -464,8 +468,11 @@ class WorkerRuntime:
             self._lease_lost(seq.request_id, pages)
 
     def _admit_pending(self) -> None:
+        """Verified decodes join the batch fairly, as the scheduler admits: the tenant holding the fewest pages
+        here first, FIFO within a tenant; one that does not fit now keeps its turn."""
         while self._pending:
-            cmd = self._pending[0]
+            held = self.engine.scheduler.pages_held_by_tenant()
+            cmd = self._pending.peek(lambda tenant: held[tenant])
             rid = cmd.request_id
             try:
                 seq = self.engine.add_prefilled(rid, cmd.prompt_ids, cmd.first_token, cmd.blob, cmd.params,
@@ -473,7 +480,7 @@ class WorkerRuntime:
             except PoolLost:
                 raise
             except Exception as exc:  # never fits here (RequestTooLarge) or a bad blob: this request only
-                self._pending.popleft()
+                self._pending.pop(cmd)
                 fut = self._futures.pop(rid, None)
                 if fut:
                     fut.set_exception(exc)
@@ -481,7 +488,7 @@ class WorkerRuntime:
             if seq is None:
                 return  # does not fit now; retried after the next step frees pages
             seq.cached_tokens = cmd.cached_tokens
-            self._pending.popleft()
+            self._pending.pop(cmd)
             if "foreign_page_once" in self.engine.config.faults and not seq.is_done and self._bystander is None:
                 self._misroute_first_page(seq)
             self.metrics.on_token(rid, seq.is_done)
@@ -578,8 +585,8 @@ class WorkerRuntime:
         """Ends one request here: aborted in the engine (pages freed and scrubbed), error event, RequestFailed."""
         fut = self._futures.pop(rid, None)
         self.engine.abort(rid, message)
-        if any(c.request_id == rid for c in self._pending):
-            self._pending = deque(c for c in self._pending if c.request_id != rid)
+        for cmd in [c for c in self._pending if c.request_id == rid]:
+            self._pending.remove(cmd)
         self._publish([(rid, {"type": "error", "code": code, "message": message})])
         if fut and not fut.done():
             fut.set_exception(RequestFailed(code, message))
@@ -593,7 +600,7 @@ class WorkerRuntime:
                   self.worker_id, reason)
         self.engine.reset_pool(reason)
         self._fail_all("pool_lost", POOL_LOST_ERROR)
-        self._pending.clear()
+        self._pending = TenantQueues()
         self._unclean, self._pool_down, self._next_register = [], reason, 0.0
         self._register_again()
 

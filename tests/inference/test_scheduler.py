@@ -198,6 +198,33 @@ def test_a_verified_handoff_waits_while_a_preempted_sequence_waits_to_resume(tin
     assert d is not None and len(d.block_table) == 2  # the prompt's pages only; it grows as it decodes
 
 
+def test_another_tenants_handoff_does_not_wait_behind_a_preempted_sequence_of_a_tenant_holding_more(tiny_model):
+    """Work-conserving fairness on the decode side: tenant A fills the pool until one of its sequences is
+    preempted; tenant B, holding nothing here, joins at once when its pages fit, while a handoff of A's own
+    still waits for A's preempted sequence to resume (the order the waiting queue would pick)."""
+    prefill = make_engine(tiny_model, num_pages=8, page_size=4)
+    handoffs = {}
+    for rid, tenant in (("hb", "B"), ("ha", "A")):
+        p = prefill.add_request(rid, list(range(50, 58)), greedy(4, tenant=tenant), prefill_only=True)
+        prefill.step()
+        handoffs[rid] = (p, prefill.export_kv(p)[0])
+        prefill.release(p)
+    engine = make_engine(tiny_model, num_pages=14, page_size=4)
+    seqs = [engine.add_request(f"r{i}", list(range(10 + 3 * i, 19 + 3 * i)), greedy(14, tenant="A"))
+            for i in range(3)]
+    while not engine.scheduler.preempted:
+        engine.step()
+    assert engine.block_manager.num_free() >= 2 and engine.scheduler.waiting
+    p, blob = handoffs["ha"]
+    assert engine.add_prefilled("ha", p.prompt_ids, p.output_ids[0], blob, greedy(4, tenant="A")) is None
+    p, blob = handoffs["hb"]
+    b = engine.add_prefilled("hb", p.prompt_ids, p.output_ids[0], blob, greedy(4, tenant="B"))
+    assert b is not None and len(b.block_table) == 2
+    run_until_done(engine, [*seqs, b])
+    assert engine.block_manager.num_free() == 14
+    engine.block_manager.allocator.check_integrity()
+
+
 # ---- the pick order from `waiting`: round-robin across tenants (inference.fair_queue) -------------------
 
 def bare_scheduler(num_pages=64, max_num_seqs=64, chunk_size=10_000):

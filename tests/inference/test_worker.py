@@ -591,3 +591,47 @@ def test_a_failure_after_a_prefill_finished_leaves_no_sequence_and_no_page(fault
     assert rt.ledger.num_free() == 64 and "done-then-failed" not in rt._host._held  # nothing renewed for it
     assert rt.prefill("after", list(range(10, 40)), greedy(4)).verdict is Verdict.OK
     rt.ledger.check_integrity()
+
+
+def test_verified_decodes_waiting_for_pages_join_the_tenant_holding_fewest_first(redis_client, ledger_prefix,
+                                                                                 tiny_model):
+    """Tenant A runs one decode and has a second waiting for pages; tenant B's decode, queued after it, joins the
+    batch first (B holds nothing here), and A's waits until pages free: the scheduler's order, on the handoffs
+    waiting in the decode worker."""
+    opts = RuntimeOptions(prefix=ledger_prefix, lease_ttl_s=30, registry_ttl_s=15)
+    cfg = dict(page_size=16, window=128, probe_reserve_pages=0)
+    prefill = WorkerRuntime("prefill", redis_client, KEY, model=tiny_model, config=EngineConfig(num_pages=16, **cfg),
+                            options=opts)
+    decode = WorkerRuntime("decode", redis_client, KEY, model=tiny_model, config=EngineConfig(num_pages=8, **cfg),
+                           options=opts)
+    tenants = {"a0": "A", "a1": "A", "b0": "B"}
+    prompts = {rid: list(range(10 + i, 50 + i)) for i, rid in enumerate(tenants)}  # 3 pages each
+    params = {rid: greedy(80 if rid == "a0" else 40, tenant=t) for rid, t in tenants.items()}
+    box, threads = {}, []
+
+    def run(rid):
+        box[rid] = decode.decode(rid, prompts[rid], params[rid], handoffs[rid])
+
+    def start(rid):
+        threads.append(threading.Thread(target=run, args=(rid,), daemon=True))
+        threads[-1].start()
+
+    try:
+        handoffs = {rid: prefill.prefill(rid, prompts[rid], params[rid]).to_dict() for rid in tenants}
+        start("a0")
+        next(decode.outputs.read("a0", timeout_s=30))
+        with Held(decode):  # a1, then b0, reach the loop together while a0 runs
+            wait_until(lambda: len(decode.engine.seqs) == 1 and decode._commands.empty())
+            for n, rid in enumerate(("a1", "b0"), start=1):
+                start(rid)
+                wait_until(lambda: decode._commands.qsize() == n)
+        wait_until(lambda: decode.engine.has_request("b0") or decode.engine.has_request("a1"))
+        assert decode.engine.has_request("b0") and not decode.engine.has_request("a1")  # 3 + 3 of 8 pages held
+        for t in threads:
+            t.join(60)
+        assert {rid: seq.status for rid, seq in box.items()} == {rid: SeqStatus.FINISHED for rid in tenants}
+        assert decode.ledger.num_free() == 8
+        decode.ledger.check_integrity()
+    finally:
+        prefill.stop()
+        decode.stop()
