@@ -141,10 +141,13 @@ class BlockManager:
 
     def release_all(self, seq: Sequence) -> list[int]:
         """Frees whatever the ledger says `seq` owns (and ends its reads), not what its (possibly corrupt)
-        table says."""
+        table says. What this process granted it is scrubbed first: a release whose reply is lost has freed
+        pages the reply would have named."""
         self.forget_reads(seq)
+        mine = [page for page, owner in enumerate(self.owner) if owner == seq.request_id]
+        self.forget(mine)
         pages = self.allocator.release(seq.request_id)
-        self.forget(pages)
+        self.forget(sorted(set(pages).difference(mine)))
         seq.block_table, seq.page_epochs = [], []
         return pages
 

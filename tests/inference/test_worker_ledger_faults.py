@@ -17,6 +17,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from inference.engine import EngineConfig
+from inference.faults import Faults
 from inference.sequence import SeqStatus
 from inference.worker import RequestFailed, RuntimeOptions, WorkerRuntime
 from tests.e2e.stack import free_port
@@ -187,10 +188,13 @@ def stack(own_redis, tiny_model):
     opts = RuntimeOptions(prefix="kvsfault", lease_ttl_s=30, registry_ttl_s=1.5)  # a beat every 0.5 s
     made = []
 
-    def make(role, num_pages):
-        cfg = EngineConfig(num_pages=num_pages, page_size=16, window=num_pages * 16, prefix_cache=True)
+    def make(role, num_pages, faults=Faults()):
+        cfg = EngineConfig(num_pages=num_pages, page_size=16, window=num_pages * 16, prefix_cache=True,
+                           faults=faults)
         rt = WorkerRuntime(role, client, KEY, model=tiny_model, config=cfg, options=opts,
                            on_fatal=lambda runtime, reason: None)
+        for script in rt.ledger._lua.values():  # cached in Redis: a paused call then runs after its reply was
+            admin.script_load(script.script)  # lost (a first EVALSHA would only answer NOSCRIPT)
         made.append(rt)
         return rt
 
@@ -227,3 +231,22 @@ def test_a_redis_fault_at_a_ledger_call_strands_no_page(stack, own_redis, kind, 
     for rt in (prefill, decode):
         drain_and_check(rt, admin)
     assert prefill.serving and decode.serving
+
+
+@pytest.mark.parametrize("kind", ["kill", "pause", "restart"])
+def test_a_redis_fault_at_the_release_of_a_violating_request_leaves_no_page_unscrubbed(stack, own_redis, kind):
+    """The guard fails a request closed (fault foreign_page_once) and releases whatever the ledger lists for it:
+    a release whose reply is lost (pause: it runs after the worker gave up) has freed its pages in the ledger,
+    so the worker scrubs what it granted that request before asking. After drain every free page is zero."""
+    make, admin = stack
+    prefill, decode = make("prefill", 8), make("decode", 32, faults=Faults({"foreign_page_once"}))
+    fault = Fault(own_redis, admin, kind)
+    fault.arm(decode, "release")
+    prompt = list(range(10, 58))
+    outcome = attempt(lambda: decode.decode("v", prompt, greedy(8),
+                                            prefill.prefill("v", prompt, greedy(8), timeout_s=30).to_dict(),
+                                            timeout_s=30))
+    assert fault.fired.is_set() and outcome == "kv_isolation_violation", outcome
+    wait_until(lambda: admin.ping(), what="Redis back")
+    for rt in (prefill, decode):
+        drain_and_check(rt, admin)
