@@ -17,7 +17,7 @@ from pathlib import Path
 
 from bench.hosts import Hosts, RedisHost
 from inference.allocator import LedgerError
-from inference.ledger import RedisLedger, ledger_key
+from inference.ledger import RedisLedger, pool_ids
 from inference.registry import Registry, WorkerInfo
 from inference.streams import OutputStream
 from tests.e2e.stack import Stack
@@ -228,8 +228,7 @@ class ChaosStack(Stack):
                 for w in Registry(client, prefix=self.prefix, ttl_s=REGISTRY_TTL_S).live_workers()}
 
     def listed_pools(self) -> set[str]:
-        raw = self.redis_host.client().smembers(ledger_key(self.prefix))
-        return {r.decode() if isinstance(r, bytes) else r for r in raw}
+        return set(pool_ids(self.redis_host.client(), self.prefix))
 
     # ---- the broker ------------------------------------------------------------------------------
     def broker_key(self, name: str) -> str:

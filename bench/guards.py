@@ -24,7 +24,7 @@ than what is measured. Two cross-checks: `*_best` ratios compare the best round 
 `*_time_fraction` figures attribute time directly, from one extra instrumented run of `on`: the
 time spent inside `BlockManager.check_reads` and `PagePool.scrub`, as a fraction of that run.
 
-The ledger latency figures come from `inference.ledger.measure_latency` on a separate pool
+The ledger latency figures come from `measure_latency` on a separate pool
 registered under the same unique prefix; every pool is unregistered and every key under the prefix
 deleted at the end (never FLUSHDB/FLUSHALL).
 """
@@ -39,10 +39,11 @@ import redis
 import torch
 
 from bench.common import chat_prompts, emit_json, log, median, print_table
+from inference.allocator import LedgerError
 import inference.engine
 from inference.engine import Engine, EngineConfig
 from inference.faults import Faults
-from inference.ledger import RedisLedger, measure_latency
+from inference.ledger import RedisLedger
 from inference.loader import load_model
 from inference.sequence import SamplingParams
 
@@ -110,6 +111,34 @@ def attribute(engine: Engine, prompts, new_tokens: int) -> dict:
         del bm.check_reads, pool.scrub, engine.step  # back to the class methods
     return dict(guard_time_fraction=spent["guard"] / total, scrub_time_fraction=spent["scrub"] / total,
                 guard_us_per_step=spent["guard"] / max(1, spent["steps"]) * 1e6, steps=spent["steps"])
+
+
+def measure_latency(ledger: RedisLedger, num_ops: int = 200, num_pages: int = 1) -> dict[str, float]:
+    """p50/p99 microseconds of allocate and free round trips; run it on a pool with spare pages."""
+    owner = f"latency-probe:{time.monotonic_ns()}"
+    allocate_us, free_us = [], []
+    for _ in range(num_ops):
+        t0 = time.perf_counter_ns()
+        grant = ledger.allocate(owner, num_pages)
+        t1 = time.perf_counter_ns()
+        if grant is None:
+            raise LedgerError(
+                f"pool {ledger.pool_id} has fewer than {num_pages} free pages; measure on a sandbox pool"
+            )
+        ledger.free(owner, grant.pages, grant.epochs)
+        allocate_us.append((t1 - t0) / 1000)
+        free_us.append((time.perf_counter_ns() - t1) / 1000)
+
+    def pct(xs: list[float], q: float) -> float:
+        xs = sorted(xs)
+        return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+    return {
+        "allocate_p50_us": pct(allocate_us, 0.5),
+        "allocate_p99_us": pct(allocate_us, 0.99),
+        "free_p50_us": pct(free_us, 0.5),
+        "free_p99_us": pct(free_us, 0.99),
+    }
 
 
 def main(argv=None) -> int:

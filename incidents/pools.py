@@ -105,9 +105,7 @@ def worker_admin_list() -> list[dict]:
              "quarantine_reason": registry.quarantine_reason(w.worker_id) if w.quarantined else None}
             for w in sorted(registry.live_workers(), key=lambda w: (w.role, w.worker_id))]
     live = {r["id"] for r in rows}
-    pattern, cut = registry.key("quarantine", "*"), len(registry.key("quarantine", ""))
-    for key in sorted(registry.redis.scan_iter(match=pattern, count=500)):
-        worker_id = (key.decode() if isinstance(key, bytes) else key)[cut:]
+    for worker_id in registry.quarantined_ids():
         if worker_id not in live:
             rows.append({"id": worker_id, "role": "", "host": "", "live": False, "capacity_tokens": None,
                          "window": None, "safe": None, "faults": [], "quarantined": True,

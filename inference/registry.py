@@ -231,6 +231,11 @@ class Registry:
     def quarantine_reason(self, worker_id: str) -> str | None:
         return _text(self.redis.hget(self.key("quarantine", worker_id), "reason"))
 
+    def quarantined_ids(self) -> list[str]:
+        """Every quarantined worker, live or not (a quarantine outlives its worker's registration), sorted."""
+        cut = len(self.key("quarantine", ""))
+        return sorted(_text(key)[cut:] for key in self.redis.scan_iter(match=self.key("quarantine", "*"), count=500))
+
     def _with_quarantine(self, info: WorkerInfo) -> WorkerInfo:
         return dataclasses.replace(info, quarantined=self.is_quarantined(info.worker_id))
 

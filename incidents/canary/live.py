@@ -7,7 +7,7 @@ import redis
 from django.conf import settings
 
 from inference.allocator import LedgerError
-from inference.ledger import RedisLedger, ledger_key
+from inference.ledger import RedisLedger, pool_ids as ledger_pool_ids
 from inference.registry import SERVING_ROLES, WorkerInfo
 from inference.streams import OutputStream
 from kvserve.workers import redis_get, registry_get
@@ -39,7 +39,7 @@ def serving_workers() -> list[WorkerInfo]:
 
 def pool_ids() -> list[str]:
     """Every pool in the ledger's pools set (live or not)."""
-    return sorted(r.decode() if isinstance(r, bytes) else r for r in redis_get().smembers(ledger_key(prefix())))
+    return ledger_pool_ids(redis_get(), prefix())
 
 
 def live_pools() -> dict[str, RedisLedger]:

@@ -21,7 +21,7 @@ from inference.admission import admission_error
 from inference.allocator import LedgerError
 from inference.cancel import Cancel
 from inference.handoff import HandoffRefused, Verdict
-from inference.ledger import RedisLedger, ledger_key
+from inference.ledger import RedisLedger, pool_ids
 from inference.registry import PREFILL
 from inference.sequence import SamplingParams
 from incidents.services import incident_record
@@ -386,7 +386,7 @@ def requests_reap_orphans() -> dict:
     prefix = settings.KVSERVE_LEDGER_PREFIX
     live = {w.worker_id for w in registry.live_workers()}
     rows = list(ChatRequest.objects.exclude(status__in=ChatRequest.FINAL))
-    pools = sorted(_text(p) for p in redis_client.smembers(ledger_key(prefix)))
+    pools = pool_ids(redis_client, prefix)
     holders = {row.id: _holder(row) for row in rows}
     silence = registry.silence(live | set(pools) | {w for w in holders.values() if w})
     gone = {w for w, rounds in silence.items() if w not in live and rounds >= WORKER_LOST_ROUNDS}
@@ -443,7 +443,3 @@ def _retire(registry, redis_client, prefix: str, pool_id: str) -> dict:
     registry.forget(pool_id)
     log.warning("retired the pool of gone worker %s (integrity: %s)", pool_id, integrity)
     return {"retired": True, "integrity": integrity}
-
-
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else value

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from inference.engine import Engine, EngineConfig
-from inference.ledger import RedisLedger, ledger_key
+from inference.ledger import RedisLedger, pool_ids
 from inference.sequence import SamplingParams
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -100,7 +100,7 @@ def test_openai_client_errors(client, model_id):
 
 def _ledger_state(stack) -> dict:
     r, prefix = stack.redis, stack.prefix
-    pools = sorted(p.decode() for p in r.smembers(ledger_key(prefix)))
+    pools = pool_ids(r, prefix)
     broker = {k.decode(): r.llen(k) for k in r.scan_iter(match=f"{prefix}:broker:*") if r.type(k) == b"list"}
     # every key of the stack (ledger, registry, output streams, transport, broker) except counters:
     # the throttle's and /metrics' admission-rejection count, which exist to count exactly this

@@ -19,7 +19,6 @@ from inference.ledger import (
     check_eviction_policy,
     judge_eviction_policy,
     ledger_from_url,
-    measure_latency,
     pool_counts,
 )
 
@@ -434,15 +433,6 @@ def test_check_eviction_policy_when_config_is_not_permitted(redis_client):
         limited.close()
     finally:
         redis_client.acl_deluser(user)
-
-
-def test_measure_latency_leaves_the_pool_as_it_was(redis_client, ledger_prefix):
-    pool = RedisLedger.register(redis_client, "bench", "sandbox", 8, 16, prefix=ledger_prefix)
-    stats = measure_latency(pool, num_ops=20, num_pages=2)
-    assert set(stats) == {"allocate_p50_us", "allocate_p99_us", "free_p50_us", "free_p99_us"}
-    assert all(v > 0 for v in stats.values())
-    assert pool.num_free() == 8
-    pool.check_integrity()
 
 
 # Four processes churn one pool. Each stamps the shared "tensor" with its id while it holds a

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
-from inference.allocator import LedgerError
-from inference.ledger import RedisLedger, cache_entry
+from inference.allocator import LedgerError, cache_entry
+from inference.ledger import RedisLedger
 
 SALTS = {"x": "a" * 64, "y": "b" * 64}  # two tenant scopes
 TENANT = {"a1": "x", "a2": "x", "b1": "y", "b2": "y"}  # request -> its tenant

@@ -79,6 +79,16 @@ def test_quarantine_survives_heartbeat_reregister_and_unregister(registry, make_
     assert registry.release("d1") is False
 
 
+def test_quarantined_ids_lists_live_and_gone_workers_under_this_prefix_only(registry_redis, registry, make_worker):
+    registry.register(make_worker("decode", worker_id="d2"))
+    for worker_id in ("d2", "d1", "gone:1"):
+        registry.quarantine(worker_id, "test")
+    Registry(registry_redis, prefix=registry.prefix + "-other").quarantine("d3", "test")
+    assert registry.quarantined_ids() == ["d1", "d2", "gone:1"]
+    registry.release("d1")
+    assert registry.quarantined_ids() == ["d2", "gone:1"]
+
+
 def test_effective_limit_is_min_of_window_and_capacity_over_both_pools(registry, make_worker):
     assert registry.effective_limit() is None
     registry.register(make_worker("prefill", worker_id="p1", window=8192, capacity_tokens=16384))

@@ -9,7 +9,8 @@ import pytest
 import redis
 
 from inference.allocator import LedgerError
-from inference.ledger import REPEAT, _SCRIPTS, RedisLedger
+from inference.ledger import REPEAT, RedisLedger
+from inference.ledger.scripts import SCRIPTS
 from inference.streams import OutputStream
 from tests.conftest import TEST_REDIS_URL
 from tests.e2e.stack import OwnRedis
@@ -166,7 +167,7 @@ def lossy(ledger_prefix):
 
 
 def test_every_ledger_script_is_classed():
-    assert REPEAT.keys() == _SCRIPTS.keys()
+    assert REPEAT.keys() == SCRIPTS.keys()
     assert {r.kind for r in REPEAT.values()} <= {"same", "refused", "never"}
     assert REPEAT["release"].kind == REPEAT["claim_dirty"].kind == "never"
 
