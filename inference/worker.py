@@ -262,6 +262,9 @@ class WorkerRuntime:
         self._outbox_batch = uuid.uuid4().hex  # keys the outbox's publish (inference.streams.publish_many)
         self._answered_batch: str | None = None
         self._unclean: list[int] = []  # scrubbed pages whose mark_clean Redis has not taken yet
+        self._claimed: set[int] = set()  # dirty pages claimed (ledger.take_dirty) and not yet marked clean
+        self._claimed_lock = threading.Lock()  # the set, between the loop and the beat
+        self._claiming = threading.Lock()  # one claim at a time: each names the pages the others took
         self._pool_down: str | None = None  # why, while the pool waits to be registered again
         self._next_register = 0.0
         self._next_cancel_poll = 0.0
@@ -602,6 +605,8 @@ class WorkerRuntime:
         self._fail_all("pool_lost", POOL_LOST_ERROR)
         self._pending = TenantQueues()
         self._unclean, self._pool_down, self._next_register = [], reason, 0.0
+        with self._claimed_lock:
+            self._claimed.clear()
         self._register_again()
 
     def _register_again(self) -> None:
@@ -629,6 +634,17 @@ class WorkerRuntime:
         for cancel in cancels:
             self._fail(cancel.request_id, cancel.code, cancel.message)
 
+    def _claim_dirty(self) -> list[int]:
+        """Dirty pages for this worker to scrub: new claims, and claims of ours whose reply was lost (the ledger
+        hands out again what we claimed and do not have in hand)."""
+        with self._claiming:
+            with self._claimed_lock:
+                in_hand = sorted(self._claimed)
+            dirty = self.ledger.take_dirty(self.worker_id, in_hand)
+            with self._claimed_lock:
+                self._claimed.update(dirty)
+        return dirty
+
     def _mark_clean(self) -> None:
         if not self._unclean:
             return
@@ -640,6 +656,8 @@ class WorkerRuntime:
             raise
         except LedgerError:
             log.exception("marking scrubbed pages %s clean", self._unclean)
+        with self._claimed_lock:
+            self._claimed.difference_update(self._unclean)
         self._unclean = []
 
     def _publish(self, events: list[tuple[str, dict]]) -> None:
@@ -708,7 +726,7 @@ class WorkerRuntime:
         generation = self.ledger.generation
         try:
             beat = self._host.beat(now_ms=now_ms)
-            dirty = self.ledger.take_dirty(self.worker_id)
+            dirty = self._claim_dirty()
         except PoolLost as exc:
             self._commands.put(PoolLostCommand(generation, str(exc)))
             return

@@ -282,10 +282,11 @@ class RedisLedger:
         pages, epochs = [int(p) for p in pages], [int(e) for e in epochs]
         return bool(self._call("holds", owner, len(pages), *pages, *epochs))
 
-    def take_dirty(self, claimer: str) -> list[int]:
-        """Claims, for `claimer` to scrub, every dirty page no one has claimed; sorted. They stay dirty
-        (and claimed) until `mark_clean`: a page is never handed to two scrubs."""
-        return [int(p) for p in self._call("claim_dirty", claimer)]
+    def take_dirty(self, claimer: str, in_hand: Sequence[int] = ()) -> list[int]:
+        """Claims, for `claimer` to scrub, every dirty page no one has claimed, with those `claimer` claimed
+        before and does not have `in_hand` (its claim's reply was lost); sorted. They stay dirty (and
+        claimed) until `mark_clean`: a page in hand is never handed out again."""
+        return [int(p) for p in self._call("claim_dirty", claimer, *map(int, in_hand))]
 
     def mark_clean(self, pages: Sequence[int], claimer: str) -> None:
         """Scrubbed pages join the tail of the free list; each must be dirty and claimed by `claimer`

@@ -309,13 +309,18 @@ local missing = renew(int(now + tonumber(ARGV[3])), 6)
 local events, err = reap(now)
 return err or {missing, events}
 """,
-    # ARGV: claimer. Claims every dirty page nobody has claimed; returns them sorted. Two beats never
-    # hand the same dirty page to a scrubber twice.
+    # ARGV: claimer, pages in hand... Claims every dirty page nobody has claimed, and answers with them the
+    # pages this claimer claimed before but does not list in hand (a claim whose reply was lost); sorted.
+    # A page in hand is never handed out again, so two beats never give a scrubber the same page twice.
     "claim_dirty": """
 if not registered() then return unregistered() end
-local out = {}
+local claimer, in_hand, out = ARGV[3], {}, {}
+for i = 4, #ARGV do in_hand[ARGV[i]] = true end
 for _, page in ipairs(redis.call('SMEMBERS', dirty)) do
-  if redis.call('HSETNX', scrubbing, page, ARGV[3]) == 1 then out[#out + 1] = tonumber(page) end
+  if redis.call('HSETNX', scrubbing, page, claimer) == 1
+      or (not in_hand[page] and redis.call('HGET', scrubbing, page) == claimer) then
+    out[#out + 1] = tonumber(page)
+  end
 end
 table.sort(out)
 return out
@@ -543,8 +548,7 @@ REPEAT = {
                            "so the first run's events are lost with its reply (their pages are dirty either way "
                            "and reach the scrubber through claim_dirty)"),
     "beat": Repeat("same", "renew, then reap (see both)"),
-    "claim_dirty": Repeat("never", "a repeat answers only pages nobody has claimed: the first run's claims "
-                                   "would be lost to their claimer and never scrubbed"),
+    "claim_dirty": Repeat("same", "a repeat answers the first run's claims too: the claimer's, not in hand"),
     "holds": Repeat("same", "a read"),
     "mark_clean": Repeat("refused", "pages the first run marked clean are on the free list, no longer dirty: "
                                     "the repeat is refused"),

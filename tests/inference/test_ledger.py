@@ -194,7 +194,9 @@ def test_expired_lease_moves_pages_to_dirty_until_scrubbed(pool, redis_client):
     assert pool.reap_expired() == []
     assert pool.num_free() == 4  # dirty pages are not free
     assert pool.take_dirty("w") == [0, 1, 2]
-    assert pool.take_dirty("w") == []  # claimed once: a second beat gets nothing to scrub twice
+    assert pool.take_dirty("w", in_hand=[0, 1, 2]) == []  # claimed once: a second beat gets nothing to scrub twice
+    assert pool.take_dirty("other") == []  # nor does another claimer
+    assert pool.take_dirty("w", in_hand=[1]) == [0, 2]  # a claim whose reply was lost is answered again
     assert pool.owner_of(0) is None and pool.pages_of("a") == {}
     assert [pool.snapshot()[p] for p in range(5)] == ["dirty", "dirty", "dirty", {"owner": "b", "epoch": 4}, "free"]
     assert pool.renew_leases(["a", "b"]) == ["a"]

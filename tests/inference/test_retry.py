@@ -169,7 +169,18 @@ def lossy(ledger_prefix):
 def test_every_ledger_script_is_classed():
     assert REPEAT.keys() == SCRIPTS.keys()
     assert {r.kind for r in REPEAT.values()} <= {"same", "refused", "never"}
-    assert REPEAT["release"].kind == REPEAT["claim_dirty"].kind == "never"
+    assert REPEAT["release"].kind == "never" and REPEAT["claim_dirty"].kind == "same"
+
+
+def test_a_dirty_claim_whose_reply_was_lost_is_answered_by_its_repeat(lossy):
+    g = lossy.allocate("req", 2)
+    lossy.reap_expired(now_ms=int(time.time() * 1000) + 10**9)
+    lossy.lose_next("claim_dirty")
+    assert lossy.take_dirty("me") == sorted(g.pages)  # the first run claimed them; the repeat names them
+    assert lossy.take_dirty("me", in_hand=g.pages) == []
+    lossy.mark_clean(g.pages, "me")
+    assert lossy.num_free() == 8
+    lossy.check_integrity()
 
 
 def test_a_free_whose_reply_was_lost_is_done_once_and_answers_as_it_would_have(lossy):
