@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from inference.settings import env_int  # noqa: E402
+from inference.settings import port_setting  # noqa: E402
 from scripts.supervisor import Supervisor  # noqa: E402
 
 PY = sys.executable
@@ -47,7 +47,7 @@ def wait_ready(url: str, supervisor: Supervisor, timeout_s: float = 180) -> bool
 
 
 def main() -> int:
-    port = env_int("KVSERVE_PORT", 8000, low=1, high=65535)
+    port = port_setting()
     print("migrating ...", flush=True)
     manage("migrate", "--noinput")
     manage("setup_schedules")
