@@ -145,6 +145,11 @@ def port_setting(env: Mapping | None = None) -> int:
     return env_int("KVSERVE_PORT", 8000, low=1, high=65535, env=env)
 
 
+def log_dir_setting(default: str, env: Mapping | None = None) -> str:
+    """KVSERVE_LOG_DIR: where a launcher (`make run`) files each process's log; `default` when unset."""
+    return env_str("KVSERVE_LOG_DIR", default, env)
+
+
 def model_setting(env: Mapping | None = None) -> str:
     """KVSERVE_MODEL: a .gguf file or an HF directory; "" for the default model (inference.loader)."""
     return env_str("KVSERVE_MODEL", "", env)

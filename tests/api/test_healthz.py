@@ -5,10 +5,12 @@ import pytest
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("registry_settings")]
 
 
-def test_no_workers_is_503(client):
+def test_no_workers_is_503_logged_as_a_warning(client, request_log):
     response = client.get("/healthz")
     assert response.status_code == 503
     assert response.json() == {"status": "unavailable", "effective_context_limit": None}
+    # expected while a stack starts: never an ERROR per health probe
+    assert [(r.levelname, r.getMessage()) for r in request_log] == [("WARNING", "Service Unavailable: /healthz")]
 
 
 def test_prefill_and_decode_live_is_200_with_min_limit_and_nothing_else(client, registry, make_worker):

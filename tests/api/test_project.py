@@ -93,6 +93,7 @@ def test_check_deploy_with_the_embedded_defaults_prints_only_what_readme_documen
     ("KVSERVE_FAULTS", "no_such_fault"),
     ("KVSERVE_REGISTRY_TTL_S", "15s"),  # read by web and workers alike (inference.settings.runtime_settings)
     ("KVSERVE_PORT", "http"),
+    ("KVSERVE_LOG_FORMAT", "xml"),
 ])
 def test_manage_py_refuses_to_start_with_a_malformed_setting(tmp_path, name, raw):
     out = subprocess.run([sys.executable, "manage.py", "check"], cwd=ROOT, capture_output=True, text=True,
