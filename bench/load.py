@@ -11,7 +11,6 @@ that tenant is alone, and a tenant alone is never refused (work-conserving; kvse
 import argparse
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import time
@@ -123,8 +122,10 @@ def integrity_ok() -> tuple[bool, list[str]]:
     from inference.ledger import RedisLedger
     from inference.registry import Registry
 
-    client = redis.Redis.from_url(os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
-    prefix = os.environ.get("KVSERVE_LEDGER_PREFIX", "kvs")
+    from inference.settings import redis_url_setting, runtime_settings
+
+    client = redis.Redis.from_url(redis_url_setting())
+    prefix = runtime_settings()["prefix"]
     live = {w.worker_id for w in Registry(client, prefix=prefix).live_workers()}
     problems = []
     for pool in live:

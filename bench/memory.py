@@ -22,6 +22,7 @@ import threading
 import time
 
 from inference.memory import malloc_arena_max, process_memory
+from inference.settings import engine_settings
 
 MB = 2**20
 
@@ -194,7 +195,7 @@ def canary_task(stack, last_run: int, timeout_s: float = 300) -> tuple[int, dict
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--num-pages", type=int, default=int(os.environ.get("KVSERVE_NUM_PAGES", 1024)))
+    ap.add_argument("--num-pages", type=int, default=engine_settings()["num_pages"])
     ap.add_argument("--canary-runs", type=int, default=3)
     ap.add_argument("--prompt-tokens", type=int, default=2048)
     ap.add_argument("--role", default="prefill", choices=("prefill", "decode"))

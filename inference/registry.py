@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,10 +105,13 @@ def _text(value: bytes | str | None) -> str | None:
 class Registry:
     """Worker registrations with a TTL refreshed by heartbeats; quarantine in its own key, no TTL."""
 
-    def __init__(self, redis, prefix: str = "kvs", ttl_s: float = 15):
+    def __init__(self, redis, prefix: str = "kvs", ttl_s: float = 15, clock: Callable[[], float] = time.time):
+        """`clock`: the wall clock stamped into registrations (started_at, heartbeat_at) and quarantines; their
+        expiry is Redis' own (PX), whatever it says."""
         if ttl_s <= 0:
             raise ValueError("ttl_s must be positive")
         self.redis = redis
+        self.clock = clock
         self.prefix = prefix
         self.ttl_ms = int(ttl_s * 1000)
         self._prune = redis.register_script(_PRUNE_LUA)
@@ -121,7 +125,7 @@ class Registry:
     # --- a worker's own lifecycle -------------------------------------------------------
 
     def register(self, info: WorkerInfo) -> WorkerInfo:
-        now = time.time()
+        now = self.clock()
         info = dataclasses.replace(
             info, started_at=info.started_at or now, heartbeat_at=now, quarantined=False
         )
@@ -146,7 +150,7 @@ class Registry:
         if raw is None:
             raise WorkerNotRegistered(worker_id)
         info = dataclasses.replace(
-            WorkerInfo.from_dict(json.loads(raw)), **changes, heartbeat_at=time.time()
+            WorkerInfo.from_dict(json.loads(raw)), **changes, heartbeat_at=self.clock()
         )
         repeat(lambda: self._write(info), f"heartbeat of {worker_id}")
         return self._with_quarantine(info)
@@ -218,7 +222,7 @@ class Registry:
 
     def quarantine(self, worker_id: str, reason: str) -> None:
         self.redis.hset(
-            self.key("quarantine", worker_id), mapping={"reason": reason, "at": repr(time.time())}
+            self.key("quarantine", worker_id), mapping={"reason": reason, "at": repr(self.clock())}
         )
 
     def release(self, worker_id: str) -> bool:

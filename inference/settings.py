@@ -102,8 +102,9 @@ def env_parsed(name: str, default: str, parse: Callable, accepted: str, env: Map
 
 def engine_settings(env: Mapping | None = None) -> dict:
     """EngineConfig fields from the environment (device None: the engine picks cuda if present, else cpu)."""
+    num_pages = env_int("KVSERVE_NUM_PAGES", None, low=1, env=env)
     values = dict(
-        num_pages=env_int("KVSERVE_NUM_PAGES", 1024, low=1, env=env),
+        num_pages=1024 if num_pages is None else num_pages,
         page_size=env_int("KVSERVE_PAGE_SIZE", 16, low=1, env=env),
         chunk_size=env_int("KVSERVE_CHUNK_SIZE", 512, low=1, env=env),
         max_num_seqs=env_int("KVSERVE_MAX_SEQS", 64, low=1, env=env),
@@ -116,7 +117,7 @@ def engine_settings(env: Mapping | None = None) -> dict:
         prefix_cache=env_bool("KVSERVE_PREFIX_CACHE", True, env),
     )
     pool_mb = env_int("KVSERVE_POOL_MB", None, low=1, env=env)
-    if pool_mb and env_raw("KVSERVE_NUM_PAGES", env) is None:
+    if pool_mb and num_pages is None:
         values["pool_mb"] = pool_mb
     return values
 
@@ -134,6 +135,26 @@ def runtime_settings(env: Mapping | None = None) -> dict:
     )
 
 
+def redis_url_setting(env: Mapping | None = None) -> str:
+    """REDIS_URL: broker, ledger, registry, transport and output streams (web, workers, bench)."""
+    return env_str("REDIS_URL", "redis://127.0.0.1:6379/0", env)
+
+
+def port_setting(env: Mapping | None = None) -> int:
+    """KVSERVE_PORT: the web server's port (`make run`, and the stack's log directory named after it)."""
+    return env_int("KVSERVE_PORT", 8000, low=1, high=65535, env=env)
+
+
+def log_dir_setting(default: str, env: Mapping | None = None) -> str:
+    """KVSERVE_LOG_DIR: where a launcher (`make run`) files each process's log; `default` when unset."""
+    return env_str("KVSERVE_LOG_DIR", default, env)
+
+
+def model_setting(env: Mapping | None = None) -> str:
+    """KVSERVE_MODEL: a .gguf file or an HF directory; "" for the default model (inference.loader)."""
+    return env_str("KVSERVE_MODEL", "", env)
+
+
 def role_setting(env: Mapping | None = None) -> str | None:
     """KVSERVE_ROLE (prefill or decode), None when unset."""
     return env_choice("KVSERVE_ROLE", "", ROLES, env) or None
@@ -147,6 +168,8 @@ def settings_validate() -> None:
     engine_settings()
     runtime_settings()
     role_setting()
+    redis_url_setting()
+    port_setting()
     Faults.from_env()
 
 
@@ -165,4 +188,4 @@ def worker_settings_validate(role: str | None = None) -> None:
     try:
         resolve_model_path()
     except FileNotFoundError as exc:
-        raise SettingError("KVSERVE_MODEL", env_raw("KVSERVE_MODEL"), str(exc)) from None
+        raise SettingError("KVSERVE_MODEL", model_setting(), str(exc)) from None

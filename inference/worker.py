@@ -221,10 +221,11 @@ class ProbeCommand:
 class WorkerRuntime:
     def __init__(self, role: str, redis, handoff_key: bytes, *, model=None, config: EngineConfig | None = None,
                  options: RuntimeOptions | None = None, node: str = "", on_violation=None, on_reclaim=None, on_lease_lost=None,
-                 on_quarantine=None, on_fatal=None):
+                 on_quarantine=None, on_fatal=None, clock=time.monotonic):
         self.role = role
         self.redis = redis
         self.handoff_key = handoff_key
+        self.clock = clock  # the loop's progress stamp, the watchdog and the loop's timers read it (tests move it)
         self.options = opts = options or RuntimeOptions.from_env()
         check_eviction_policy(redis)
         model = model or load_model()
@@ -268,7 +269,7 @@ class WorkerRuntime:
         self._pool_down: str | None = None  # why, while the pool waits to be registered again
         self._next_register = 0.0
         self._next_cancel_poll = 0.0
-        self._tick = time.monotonic()  # the loop's progress stamp
+        self._tick = self.clock()  # the loop's progress stamp
         self._failures = 0
         self._dying = threading.Event()
         self._consuming = True  # whether this worker consumes its queue (quarantine stops it)
@@ -375,7 +376,7 @@ class WorkerRuntime:
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
-                self._tick = time.monotonic()
+                self._tick = self.clock()
                 self._iterate()
         except BaseException as exc:  # its own failure handling failed, or failures persist
             log.critical("engine loop of %s cannot go on", self.worker_id, exc_info=True)
@@ -610,20 +611,20 @@ class WorkerRuntime:
         self._register_again()
 
     def _register_again(self) -> None:
-        if time.monotonic() < self._next_register:
+        if self.clock() < self._next_register:
             return
         try:
             self._host.reset()
             self.registry.register(self.info())
         except Exception as exc:
-            self._next_register = time.monotonic() + 0.5
+            self._next_register = self.clock() + 0.5
             log.warning("pool %s not registered again yet: %r", self.worker_id, exc)
             return
         self._pool_down = None
         log.warning("pool %s registered again as generation %d; serving", self.worker_id, self.ledger.generation)
 
     def _poll_cancels(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         if not self._futures or now < self._next_cancel_poll:
             return
         self._next_cancel_poll = now + self.options.cancel_poll_s
@@ -716,7 +717,7 @@ class WorkerRuntime:
         if self._dying.is_set():
             return
         loop = self._threads[0]
-        stalled = time.monotonic() - self._tick
+        stalled = self.clock() - self._tick
         if not loop.is_alive() or stalled > self.options.loop_stall_s:
             self._die("the engine loop is not running" if not loop.is_alive()
                       else f"the engine loop made no progress for {stalled:.0f}s")

@@ -5,6 +5,7 @@ from rest_framework.permissions import AllowAny
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from kvserve.logs import unavailable_log
 from kvserve.selectors import health_get
 
 
@@ -26,4 +27,6 @@ class HealthzApi(APIView):
         code = status.HTTP_200_OK if body["status"] == "ok" else status.HTTP_503_SERVICE_UNAVAILABLE
         response = Response(self.OutputSerializer(body).data, status=code)
         response["Cache-Control"] = "no-store"
+        if code == status.HTTP_503_SERVICE_UNAVAILABLE:
+            unavailable_log(request, response)  # expected while a stack starts: a warning, not Django's error
         return response

@@ -11,6 +11,9 @@ Queues and routes: kvserve/settings/celery.py (inference.prefill* -> prefill, in
 import os
 
 from celery import Celery
+from celery.signals import setup_logging
+
+from kvserve.logs import celery_logging_keep
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "kvserve.settings")
 
@@ -39,6 +42,7 @@ _survive_broker_restarts()
 
 app = Celery("kvserve")
 app.config_from_object("django.conf:settings", namespace="CELERY")
+setup_logging.connect(celery_logging_keep)  # workers and beat log as settings.LOGGING says
 app.autodiscover_tasks()  # <app>/tasks.py of every installed Django app
 app.autodiscover_tasks(["inference"])  # inference/tasks.py, when the engine provides one
 

@@ -8,6 +8,8 @@ from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler, set_rollback
 
+from kvserve.logs import unavailable_log
+
 log = logging.getLogger(__name__)
 
 
@@ -86,6 +88,8 @@ def openai_exception_handler(exc, context):
     response = exception_handler(exc, context)
     if response is not None:
         response.data = _body_for(exc)
+        if isinstance(exc, ApiError) and exc.error_code == "no_workers":
+            unavailable_log(context["request"], response)  # expected while a stack starts: a warning
         return response
     log.exception("unhandled error in %s", context.get("view").__class__.__name__)
     set_rollback()

@@ -1,6 +1,7 @@
 """`make run`: migrate, bootstrap the admin user and a demo key, start every kvserve process under a
 supervisor that restarts any that exits (scripts/supervisor.py), print where to go; only Ctrl-C or
-SIGTERM stops them all. Honours REDIS_URL, DATABASE_URL and KVSERVE_PORT."""
+SIGTERM stops them all. Honours REDIS_URL, DATABASE_URL, KVSERVE_PORT and KVSERVE_LOG_DIR (default
+var/logs/<port>/: stacks on different ports keep their logs apart)."""
 import json
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from inference.settings import env_int  # noqa: E402
+from inference.settings import log_dir_setting, port_setting  # noqa: E402
 from scripts.supervisor import Supervisor  # noqa: E402
 
 PY = sys.executable
@@ -31,6 +32,11 @@ def processes(port: int) -> dict[str, list[str]]:
     }
 
 
+def log_dir(port: int) -> Path:
+    """The stack's own log directory: KVSERVE_LOG_DIR, else var/logs/<port>/."""
+    return Path(log_dir_setting(str(ROOT / "var" / "logs" / str(port)))).expanduser()
+
+
 def wait_ready(url: str, supervisor: Supervisor, timeout_s: float = 180) -> bool:
     """Supervises while waiting for the stack to answer: a process that fails at start is restarted."""
     deadline = time.monotonic() + timeout_s
@@ -47,12 +53,12 @@ def wait_ready(url: str, supervisor: Supervisor, timeout_s: float = 180) -> bool
 
 
 def main() -> int:
-    port = env_int("KVSERVE_PORT", 8000, low=1, high=65535)
+    port = port_setting()
     print("migrating ...", flush=True)
     manage("migrate", "--noinput")
     manage("setup_schedules")
     creds = json.loads(manage("bootstrap_demo").strip().splitlines()[-1])
-    logs = ROOT / "var" / "logs"
+    logs = log_dir(port)
     supervisor = Supervisor(processes(port), cwd=ROOT, log_dir=logs)
     supervisor.start_all()
     base = f"http://127.0.0.1:{port}"

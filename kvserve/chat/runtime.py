@@ -6,6 +6,7 @@ import sys
 
 from django.conf import settings
 
+from inference.logs import log_context_set
 from inference.settings import role_setting, worker_settings_validate
 from kvserve.secrets import secret_get
 from kvserve.workers import redis_client
@@ -52,6 +53,7 @@ def runtime_start(role: str, **overrides):
                             on_violation=runtime_on_violation, on_reclaim=runtime_on_reclaim,
                             on_lease_lost=runtime_on_lease_lost, on_quarantine=runtime_on_quarantine, **overrides)
     _runtime["current"] = runtime
+    log_context_set(worker_id=runtime.worker_id)  # on every later log line of this process
     log.info("worker %s ready: %s", runtime.worker_id, runtime.info().to_dict())
     return runtime
 
@@ -100,6 +102,7 @@ def worker_started(hostname: str) -> None:
     role = role_from_argv()
     if role not in ("prefill", "decode"):
         return
+    log_context_set(role=role)
     _runtime["hostname"] = hostname
     try:
         worker_settings_validate(role)

@@ -1,5 +1,6 @@
 """Apps, middleware, templates, static files (whitenoise), DRF + drf-spectacular, logging."""
 from kvserve.paths import BASE_DIR
+from inference.logs import LOG_FORMATS, logging_config
 from inference.settings import env_choice
 
 INSTALLED_APPS = [
@@ -89,18 +90,6 @@ SPECTACULAR_SETTINGS = {
 }
 
 LOG_LEVEL = env_choice("KVSERVE_LOG_LEVEL", "info", ("debug", "info", "warning", "error", "critical")).upper()
-LOGGING = {
-    "version": 1,
-    "disable_existing_loggers": False,
-    "formatters": {
-        "plain": {"format": "%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s"},
-    },
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
-    "root": {"handlers": ["console"], "level": LOG_LEVEL},
-    "loggers": {
-        "django": {"handlers": ["console"], "level": "INFO", "propagate": False},
-        "kvserve": {"level": LOG_LEVEL},
-        "inference": {"level": LOG_LEVEL},
-        "incidents": {"level": LOG_LEVEL},
-    },
-}
+# every line names its process (role, pid, worker id: inference/logs.py); `json`: one JSON object per line
+LOG_FORMAT = env_choice("KVSERVE_LOG_FORMAT", "plain", LOG_FORMATS)
+LOGGING = logging_config(LOG_LEVEL, LOG_FORMAT)  # Celery's workers and beat keep it too (kvserve/logs.py)

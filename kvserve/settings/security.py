@@ -1,6 +1,6 @@
 """SECRET_KEY, the handoff and prompt-hash keys, the metrics token, DEBUG, allowed hosts, HTTPS hardening."""
 from kvserve.secrets import secret_get
-from inference.settings import env_bool, env_int, env_list, env_parsed, env_str
+from inference.settings import env_bool, env_int, env_list, env_parsed
 from kvserve.chat.salt import share_groups_parse
 
 # Env first (DJANGO_SECRET_KEY / KVSERVE_HANDOFF_KEY / ...), else generated once into var/secrets.json.
@@ -33,7 +33,14 @@ SECURE_CONTENT_TYPE_NOSNIFF = True
 SECURE_REFERRER_POLICY = "same-origin"
 # Keys the prefix-cache salts (HMAC-SHA256 of the tenant): a cache scope no request field can name or copy.
 KVSERVE_PREFIX_SALT_KEY = secret_get("KVSERVE_PREFIX_SALT_KEY")
+
+
+def _share_groups_checked(text: str) -> str:
+    share_groups_parse(text)  # ValueError when malformed: refused at start, named
+    return text
+
+
 # Tenants that share one prefix-cache scope, by operator choice only: "group=tenant1,tenant2;other=t3,t4".
 # Off (empty) by default: a shared scope lets its tenants time each other's cache hits (see README).
-KVSERVE_PREFIX_SHARE_GROUPS = env_str("KVSERVE_PREFIX_SHARE_GROUPS", "")
-env_parsed("KVSERVE_PREFIX_SHARE_GROUPS", "", share_groups_parse, "group=tenant1,tenant2;other=t3,t4")
+KVSERVE_PREFIX_SHARE_GROUPS = env_parsed("KVSERVE_PREFIX_SHARE_GROUPS", "", _share_groups_checked,
+                                         "group=tenant1,tenant2;other=t3,t4")

@@ -268,10 +268,11 @@ def test_stream_retention_follows_store_text(client, chat_env, registry_redis, s
         assert (2900 < ttl <= 3000) if store_text else (0 < ttl <= 45), (request_id, ttl)
 
 
-def test_no_live_workers_is_503(client, chat_env, key, registry):
+def test_no_live_workers_is_503(client, chat_env, key, registry, request_log):
     registry.unregister("d1")
     assert_error(post(client, key, {"messages": MESSAGES}), 503, code="no_workers")
     assert ChatRequest.objects.count() == 0 and chat_env.calls == []
+    assert [r.levelname for r in request_log] == ["WARNING"]  # expected while a stack starts: no ERROR
 
 
 def test_unreachable_redis_is_503_not_500(client, chat_env, key, settings):

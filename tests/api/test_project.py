@@ -91,8 +91,30 @@ def test_check_deploy_with_the_embedded_defaults_prints_only_what_readme_documen
     ("DJANGO_DEBUG", "sure"),
     ("KVSERVE_TENANT_MAX_IN_FLIGHT", "-1"),
     ("KVSERVE_FAULTS", "no_such_fault"),
+    ("KVSERVE_REGISTRY_TTL_S", "15s"),  # read by web and workers alike (inference.settings.runtime_settings)
+    ("KVSERVE_PORT", "http"),
+    ("KVSERVE_LOG_FORMAT", "xml"),
 ])
 def test_manage_py_refuses_to_start_with_a_malformed_setting(tmp_path, name, raw):
     out = subprocess.run([sys.executable, "manage.py", "check"], cwd=ROOT, capture_output=True, text=True,
                          timeout=120, env={**os.environ, "KVSERVE_SECRETS_FILE": str(tmp_path / "s.json"), name: raw})
     assert out.returncode != 0 and f"SettingError: {name}={raw!r} is not valid" in out.stderr, out.stderr[-2000:]
+
+
+def test_the_web_reads_the_settings_it_shares_with_the_workers_where_they_do(monkeypatch):
+    """Ledger prefix and registry TTL: one reader, so web and workers never disagree (a TTL of 0.5 s was
+    refused by the web and accepted by the workers)."""
+    import importlib
+
+    import kvserve.settings.redis as redis_settings
+    from inference.worker import RuntimeOptions
+
+    monkeypatch.setenv("KVSERVE_REGISTRY_TTL_S", "0.5")
+    monkeypatch.setenv("KVSERVE_LEDGER_PREFIX", "kvs-shared")
+    try:
+        web, workers = importlib.reload(redis_settings), RuntimeOptions.from_env()
+        assert (web.KVSERVE_REGISTRY_TTL_S, web.KVSERVE_LEDGER_PREFIX) == (0.5, "kvs-shared")
+        assert (workers.registry_ttl_s, workers.prefix) == (0.5, "kvs-shared")
+    finally:
+        monkeypatch.undo()
+        importlib.reload(redis_settings)

@@ -60,7 +60,7 @@ class Stack:
             **env,
         }
         self.procs: dict[str, subprocess.Popen] = {}
-        self.logs = self.workdir / "logs"
+        self.logs = Path(env.get("KVSERVE_LOG_DIR") or self.workdir / "logs")  # the stack's own, never a shared one
         self.logs.mkdir(parents=True, exist_ok=True)
 
     def manage(self, *args) -> str:

@@ -1,7 +1,6 @@
 """inference.registry against real Redis (DB 15, unique prefix): liveness, quarantine, effective limit."""
 import dataclasses
 import json
-import time
 
 import pytest
 
@@ -31,14 +30,21 @@ def test_every_key_lives_under_prefix_workers(registry, registry_redis, registry
     assert keys and all(k.startswith(f"{registry_prefix}:workers:") for k in keys)
 
 
-def test_expired_worker_disappears_and_is_pruned(registry_redis, registry_prefix, make_worker):
-    registry = Registry(registry_redis, prefix=registry_prefix, ttl_s=0.4)
+def lapse(redis_client, key: str) -> None:
+    """The key's TTL runs out now, on Redis' clock (which no test can move): an expiry in the past drops it."""
+    redis_client.pexpireat(key, 1)
+
+
+def test_expired_worker_disappears_and_is_pruned(registry, registry_redis, make_worker):
     registry.register(make_worker("prefill", worker_id="p1"))
     registry.register(make_worker("decode", worker_id="d1"))
     assert registry.effective_limit() == 8192
-    time.sleep(0.25)
-    registry.heartbeat("p1")  # only p1 keeps beating
-    time.sleep(0.25)
+    info = {w: registry.key("info", w) for w in ("p1", "d1")}
+    assert all(0 < registry_redis.pttl(key) <= 15_000 for key in info.values())  # they expire on Redis' clock
+    registry_redis.pexpire(info["p1"], 1000)  # p1 nearly lapsed, and then
+    registry.heartbeat("p1")  # its beat sets the full TTL again
+    assert registry_redis.pttl(info["p1"]) > 1000
+    lapse(registry_redis, info["d1"])  # d1 stopped beating: its TTL ran out
     assert [w.worker_id for w in registry.live_workers()] == ["p1"]
     assert registry_redis.smembers(registry.key("index")) == {b"p1"}
     assert registry.effective_limit() is None
@@ -46,11 +52,13 @@ def test_expired_worker_disappears_and_is_pruned(registry_redis, registry_prefix
         registry.heartbeat("d1")
 
 
-def test_heartbeat_applies_changes_and_refuses_unknown_or_protected(registry, make_worker):
+def test_heartbeat_applies_changes_and_refuses_unknown_or_protected(registry_redis, registry_prefix, make_worker):
+    now = [1000.0]
+    registry = Registry(registry_redis, prefix=registry_prefix, clock=lambda: now[0])
     first = registry.register(make_worker("decode", worker_id="d1"))
-    time.sleep(0.01)
+    now[0] += 1
     beat = registry.heartbeat("d1", faults=["no_scrub"], capacity_tokens=4096)
-    assert beat.heartbeat_at > first.heartbeat_at and beat.started_at == first.started_at
+    assert beat.started_at == first.started_at and (first.heartbeat_at, beat.heartbeat_at) == (1000.0, 1001.0)
     assert registry.live_workers()[0].faults == ["no_scrub"]
     assert registry.live_workers()[0].capacity_tokens == 4096
     for bad in ({"colour": "red"}, {"worker_id": "x"}, {"quarantined": False}):

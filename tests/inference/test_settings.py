@@ -1,10 +1,13 @@
 """inference/settings.py: strict parsers that refuse a malformed value with a SettingError naming the variable
 and the forms it accepts (an empty value is the default), and the engine's and runtime's settings read there."""
+import re
+from pathlib import Path
+
 import pytest
 
 from inference.engine import EngineConfig
 from inference.settings import (SettingError, engine_settings, env_bool, env_choice, env_float, env_int, env_list,
-                                env_parsed, runtime_settings)
+                                env_parsed, port_setting, redis_url_setting, runtime_settings)
 from inference.worker import RuntimeOptions
 
 
@@ -88,3 +91,40 @@ def test_from_env_reads_the_same_settings(monkeypatch):
     monkeypatch.setenv("KVSERVE_CLAMP_WINDOW", "maybe")
     with pytest.raises(SettingError, match="KVSERVE_CLAMP_WINDOW"):
         RuntimeOptions.from_env()
+
+
+def test_redis_url_and_port_are_read_here_and_the_port_is_strict():
+    assert redis_url_setting(env={}) == "redis://127.0.0.1:6379/0" and port_setting(env={}) == 8000
+    assert redis_url_setting(env={"REDIS_URL": "redis://r:6380/2"}) == "redis://r:6380/2"
+    for raw in ("http", "0", "65536"):
+        with pytest.raises(SettingError, match="KVSERVE_PORT"):
+            port_setting(env={"KVSERVE_PORT": raw})
+
+
+_STRICT = re.compile(r"""env_(?:raw|str|int|float|bool|choice|list|parsed)\(\s*["']([A-Z][A-Z0-9_]+)["']""")
+_RAW = re.compile(r"""os\.(?:environ\.get\(|getenv\(|environ\[)\s*["']([A-Z][A-Z0-9_]+)["'](?!\s*\]\s*=)""")
+OURS = re.compile(r"KVSERVE_|DJANGO_|DATABASE_|REDIS_URL$")  # kvserve's settings (not PATH, MALLOC_ARENA_MAX, ...)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _reads(pattern, *packages) -> dict[str, list[str]]:
+    """Each environment variable a read of `pattern` names in the packages' sources -> where (path:line)."""
+    found: dict[str, list[str]] = {}
+    for package in packages:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            text = path.read_text()
+            for match in pattern.finditer(text):
+                where = f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, match.start()) + 1}"
+                found.setdefault(match.group(1), []).append(where)
+    return found
+
+
+def test_each_setting_is_read_in_one_place_through_the_strict_readers():
+    production = ("kvserve", "incidents", "inference", "scripts")
+    strict = _reads(_STRICT, *production)
+    assert {name: at for name, at in strict.items() if len(at) > 1} == {}
+    raw = {name: at for name, at in _reads(_RAW, *production, "bench").items() if OURS.match(name)}
+    # bench reads its own variables (KVSERVE_BENCH_REDIS_URL, KVSERVE_TEST_REDIS_URL) directly, never kvserve's
+    assert {name: at for name, at in raw.items() if name in strict or not name.startswith(("KVSERVE_BENCH_",
+                                                                                            "KVSERVE_TEST_"))} == {}
+    assert len(strict) > 60  # the scan sees the reads (engine, runtime, web, database, logs)

@@ -104,8 +104,8 @@ def test_heartbeat_reaps_an_expired_lease_and_scrubs_before_reuse(runtimes, redi
     grant = rt.ledger.allocate("stuck", 2)
     rt.engine.pool.data[list(grant.pages)] = 5.0
     rt.ledger.renew_leases(["stuck"], ttl_s=0.05)
-    time.sleep(0.1)
-    rt.beat()  # reaps into dirty and hands the pages to the engine loop to scrub
+    expiry = redis_client.zscore(rt.ledger.key("leases"), "stuck")
+    rt.beat(now_ms=expiry)  # its lease ran out (on the given clock): reaped into dirty, scrubbed by the loop
     deadline = time.time() + 5
     while rt.ledger.num_free() != 64 and time.time() < deadline:
         time.sleep(0.05)
@@ -176,9 +176,9 @@ def fault_runtimes(redis_client, ledger_prefix, tiny_model):
     """Runtimes whose fatal path and lease records are observed instead of exiting the test process."""
     made, seen = [], {"fatal": [], "lease_lost": [], "violations": []}
 
-    def make(role, **opts):
+    def make(role, clock=time.monotonic, **opts):
         options = RuntimeOptions(prefix=ledger_prefix, lease_ttl_s=30, registry_ttl_s=15, **opts)
-        rt = WorkerRuntime(role, redis_client, KEY, model=tiny_model, options=options,
+        rt = WorkerRuntime(role, redis_client, KEY, model=tiny_model, options=options, clock=clock,
                            config=EngineConfig(num_pages=64, page_size=16, window=1024),
                            on_fatal=lambda runtime, reason: seen["fatal"].append(reason),
                            on_lease_lost=lambda runtime, rid, pages: seen["lease_lost"].append(rid),
@@ -229,12 +229,15 @@ def test_a_loop_that_cannot_go_on_fails_its_requests_unregisters_and_asks_to_exi
 
 def test_the_heartbeat_never_advertises_a_stalled_loop(fault_runtimes):
     make, seen = fault_runtimes
-    rt = make("decode", loop_stall_s=0.5)
-    stuck = threading.Event()
-    rt.engine.step = lambda: stuck.wait(30)
+    skew = [0.0]
+    rt = make("decode", loop_stall_s=60, clock=lambda: time.monotonic() + skew[0])
+    stepping, stuck = threading.Event(), threading.Event()
+    rt.engine.step = lambda: (stepping.set(), stuck.wait(30))
     rt._commands.put(PrefillCommand("stall", list(range(10, 40)), greedy(4)))  # work: the loop steps, and hangs
-    wait_until(lambda: rt.engine.has_request("stall"))
-    time.sleep(1.0)
+    assert stepping.wait(30)
+    rt.beat()
+    assert not seen["fatal"] and rt.registry.live_workers() != []  # a step under loop_stall_s is no stall
+    skew[0] += 61  # a minute on: the loop has made no progress for longer than loop_stall_s
     rt.beat()
     stuck.set()
     assert seen["fatal"] and "no progress" in seen["fatal"][0]
