@@ -11,12 +11,13 @@ the pools to drain and reports:
 
 - done / failed by code / lost (bench.chaos.outcome: no terminal state within --bound-s of submission);
 - foreign-sentinel sightings (bench.chaos_clients.sightings over deltas, errors and stored completions);
-- false critical incidents (no fault here is a real violation) and canary runs (passed / failed);
+- false critical incidents (no fault here is a real violation) and the canary's checks by outcome (passed / wrong /
+  not judged: a check the stack cannot judge, e.g. the marker on the tiny model's small window, is not a failure);
 - pages stranded after drain, per pool: held = live + cached, so with nothing live every owned or dirty page
   outside the prefix cache is stranded (bench.chaos_stack.pool_report), and check_integrity;
 - each process's RSS (VmRSS of /proc/<pid>/status) at the first answer, after warm-up (--warmup requests done) and at the end.
 
-Targets: 0 lost, 0 foreign sightings, 0 false critical incidents, 0 stranded pages, integrity ok, RSS growth
+Targets: 0 lost, 0 foreign sightings, 0 false critical incidents, no canary check wrong, 0 stranded pages, integrity ok, RSS growth
 <= 5 % from warm-up to the end. Prints a table and ends with one JSON line.
 """
 import argparse
@@ -314,8 +315,10 @@ def run(args) -> dict:
         figures["quarantined_at_end"] = stack.quarantined()
         runs = stack.canary_runs(started)
         figures["canary_runs"] = len(runs)
-        figures["canary_failed"] = [{"run": r["id"], "checks": [c["name"] for c in checks_of(r) if not c.get("passed")]}
-                                    for r in runs if r["finished"] and not r["passed"]]
+        checks = [(r["id"], c) for r in runs if r["finished"] for c in checks_of(r)]  # outcome: incidents/canary/result.py
+        figures["canary_checks"] = dict(Counter(c["outcome"] for _, c in checks))
+        figures["canary_not_judged"] = dict(Counter(c["name"] for _, c in checks if c["outcome"] == "not_judged"))
+        figures["canary_wrong"] = [f"run {run}: {c['name']}" for run, c in checks if c["outcome"] == "wrong"]
         figures["stranded_pages"] = sum(p["owned"] + p["dirty"] for p in pools.values())
         figures["stranded_detail"] = {pid: {k: p[k] for k in ("owned", "dirty", "cached", "owners")}
                                       for pid, p in pools.items() if p["owned"] or p["dirty"]}
@@ -336,7 +339,8 @@ def run(args) -> dict:
 def verdict(f: dict, args) -> dict[str, bool]:
     growth = [g for g in f["rss_growth"].values() if g is not None]
     return {"lost": f["lost"] == 0, "foreign_sightings": f["foreign_sightings"] == 0,
-            "false_critical_incidents": f["false_critical_incidents"] == 0, "stranded_pages": f["stranded_pages"] == 0,
+            "false_critical_incidents": f["false_critical_incidents"] == 0, "canary_wrong": not f["canary_wrong"],
+            "stranded_pages": f["stranded_pages"] == 0,
             "integrity": f["integrity"] == "ok", "rss_growth": bool(growth) and max(growth) <= RSS_GROWTH_MAX}
 
 
@@ -373,7 +377,8 @@ def main(argv=None) -> int:
     f["passed"] = all(checks.values())
     print_table([{"done": f["done"], "failed": f["failed"], "lost": f["lost"], "foreign": f["foreign_sightings"],
                   "false_crit": f["false_critical_incidents"], "stranded": f["stranded_pages"],
-                  "canary_runs": f["canary_runs"], "kills": f["redis_kills"], "rps": f["rate_rps"]}],
+                  "canary_runs": f["canary_runs"], "canary_wrong": len(f["canary_wrong"]), "kills": f["redis_kills"],
+                  "rps": f["rate_rps"]}],
                 title=f"soak: {f['requests']} requests in {f['send_s']:.0f} s, failed {f['failed_codes']}")
     print_table([{"process": n, "start_mb": (f["rss_kb_start"].get(n) or 0) / 1024,
                   "warm_mb": ((f.get("rss_kb_warm") or {}).get(n) or 0) / 1024, "end_mb": (f["rss_kb_end"].get(n) or 0) / 1024,

@@ -41,13 +41,14 @@ def test_short_soak_meets_its_targets(tmp_path):
     f = json.loads(out.stdout.strip().splitlines()[-1])
     logs = out.stdout[-3000:] + out.stderr[-3000:]
     # the run exercised what it claims to
-    assert f["requests"] >= 60 and f["done"] >= 10, logs  # kills fail requests in flight (backend_unavailable) on main
+    assert f["requests"] >= 60 and f["done"] >= 0.6 * f["requests"], logs  # runs end ~95 % done, the rest disconnects
     assert f["redis_kills"] >= 2 and f["redis_connections_killed"] > 0, logs
     assert f["canary_runs"] >= 1 and f["disconnected"] >= 3 and 0 < f["streamed"] < f["requests"], logs
     # the targets
     assert f["lost"] == 0, f["lost_detail"]
     assert f["foreign_sightings"] == 0, f["foreign_detail"]
     assert f["false_critical_incidents"] == 0, f["critical_detail"]
+    assert f["canary_wrong"] == [] and f["canary_checks"].get("passed", 0) >= 1, f["canary_checks"]
     assert f["stranded_pages"] == 0, f["stranded_detail"]
     assert f["integrity"] == "ok", f["integrity"]
     assert f["quarantined_at_end"] == [], logs
