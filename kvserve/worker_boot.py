@@ -12,8 +12,8 @@ import redis
 from celery.signals import task_postrun, worker_init, worker_shutdown
 from kombu.transport import redis as kombu_redis
 
-from inference.settings import worker_settings_validate
 from inference.worker import WindowTooLarge
+from inference.worker_settings import worker_settings_validate
 from kvserve.celery import app
 from kvserve.chat.callbacks import runtime_on_lease_lost, runtime_on_reclaim, runtime_on_violation
 from kvserve.chat.runtime import role_from_argv, runtime_start, runtime_stop, runtime_worker_id
