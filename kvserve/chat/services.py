@@ -36,7 +36,7 @@ from kvserve.deliveries import queued_done, queued_note
 from kvserve.dispatch import decode_send, prefill_send, prefill_task_requeue
 from kvserve.errors import ApiError
 from kvserve.tenants.models import Tenant
-from kvserve.workers import cancels_get, outputs_get, redis_get, registry_get
+from kvserve.workers import cancels_get, outputs_get, registry_get
 
 log = logging.getLogger(__name__)
 Status = ChatRequest.Status
