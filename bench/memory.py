@@ -113,7 +113,7 @@ def measure(num_pages: int, canary_runs: int, prompt_tokens: int, role: str = "p
     import django
 
     django.setup()
-    import kvserve.celery  # noqa: F401  (the worker's Celery app, signals and patches)
+    import kvserve.worker_boot  # noqa: F401  (the worker's Celery app, signals and patches)
     from inference import engine as engine_mod
     from inference.engine import Engine, EngineConfig
     from inference.loader import load_model, load_tokenizer

@@ -25,6 +25,7 @@ from inference import metrics as aggregated
 from inference.ledger import pool_counts
 from inference.tenant_budget import LIMITS as TENANT_LIMITS
 from kvserve.chat.models import ChatRequest
+from kvserve.chat.selectors import model_get
 from kvserve.workers import redis_get, registry_get
 
 log = logging.getLogger(__name__)
@@ -152,8 +153,6 @@ class KvserveCollector:
     """Shared state per rendering: nothing is counted in this process, so every web process reports the same."""
 
     def collect(self):
-        from kvserve.chat.selectors import model_get
-
         scrape = {"model_name": model_get()["id"]}
         for name, down, sources in BACKENDS:
             try:

@@ -1,16 +1,20 @@
-"""Writes for incidents. `incident_record` is the ONE way anything records an incident; a critical
-incident on a worker quarantines that worker in the registry until an admin calls `worker_release`.
+"""Writes for incidents. `incident_record` is the ONE way anything records an incident (kvserve reports through
+kvserve/incident_hooks.py, where incidents/apps.py installs it); a critical incident on a worker quarantines that
+worker in the registry until an admin calls `worker_release`.
 """
 import logging
 import threading
 from concurrent.futures import TimeoutError as FutureTimeout
 
+from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
 from incidents.models import Incident, WorkerRelease
 from inference.metrics import Batch
-from kvserve.workers import metrics_send, registry_get
+from inference.probes import ProbeRecords
+from kvserve.chat.runtime import runtime_get
+from kvserve.workers import metrics_send, redis_get, registry_get
 
 log = logging.getLogger(__name__)
 
@@ -113,18 +117,11 @@ def worker_release(worker_id: str, by_user, *, notes: str = "") -> WorkerRelease
 
 def probe_record(probe_id: str, record: dict) -> None:
     """Stores what a live probe found (inference.probes.ProbeRecords), for the canary that sent it."""
-    from django.conf import settings
-
-    from inference.probes import ProbeRecords
-    from kvserve.workers import redis_get
-
     ProbeRecords(redis_get(), settings.KVSERVE_LEDGER_PREFIX).put(probe_id, record)
 
 
 def probe_run(name: str, probe_id: str) -> None:
     """Runs canary probe `name` in this worker process's engine and stores its result, naming the worker."""
-    from kvserve.chat.runtime import runtime_get
-
     runtime = runtime_get()
     try:
         result = runtime.probe(name)

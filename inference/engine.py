@@ -21,6 +21,7 @@ from inference.runner import StepBuilder
 from inference.sampling import sample, sampled_logprobs
 from inference.scheduler import RequestTooLarge, ScheduledChunk, Scheduler
 from inference.sequence import SamplingParams, Sequence, SeqStatus
+from inference.settings import engine_settings
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +82,6 @@ class EngineConfig:
 
     @classmethod
     def from_env(cls, **overrides) -> "EngineConfig":
-        from inference.settings import engine_settings
-
         values = engine_settings()  # inference/settings.py: strict, SettingError naming the variable
         values.update(device=values["device"] or ("cuda" if torch.cuda.is_available() else "cpu"),
                       faults=Faults.from_env())

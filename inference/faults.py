@@ -5,6 +5,8 @@ logs it loudly at start and reports it in its registration.
 """
 import logging
 
+from inference.settings import env_parsed
+
 log = logging.getLogger(__name__)
 
 # name -> what turning it on disables
@@ -36,8 +38,6 @@ class Faults(frozenset):
 
     @classmethod
     def from_env(cls) -> "Faults":
-        from inference.settings import env_parsed
-
         return env_parsed("KVSERVE_FAULTS", "", cls.parse, "comma-separated fault names, or nothing")
 
     def announce(self, who: str) -> None:

@@ -1,7 +1,7 @@
 """Every setting read from the environment, by kvserve's processes (Django's settings modules, the workers'
 engine and runtime, scripts): strict parsers that refuse a malformed value with a SettingError naming the
 variable and the forms it accepts, and the engine's and runtime's settings read in one place, so that a
-process checks them all when it starts (settings_validate) instead of failing on first use.
+process checks them all when it starts (inference/settings_check.py) instead of failing on first use.
 No Django here: workers read these before (and without) Django settings."""
 import os
 from collections.abc import Callable, Mapping
@@ -158,34 +158,3 @@ def model_setting(env: Mapping | None = None) -> str:
 def role_setting(env: Mapping | None = None) -> str | None:
     """KVSERVE_ROLE (prefill or decode), None when unset."""
     return env_choice("KVSERVE_ROLE", "", ROLES, env) or None
-
-
-def settings_validate() -> None:
-    """Reads the engine's and runtime's settings (no torch: the web process checks them too, from
-    kvserve/settings/engine.py): SettingError at the first malformed one."""
-    from inference.faults import Faults
-
-    engine_settings()
-    runtime_settings()
-    role_setting()
-    redis_url_setting()
-    port_setting()
-    Faults.from_env()
-
-
-def worker_settings_validate(role: str | None = None) -> None:
-    """settings_validate and the settings read where the model is built (threads, attention, GEMM, the model
-    file): called at worker boot, before the model loads."""
-    from inference.attention import backend_wanted
-    from inference.loader import resolve_model_path
-    from inference.model import gemm_wanted
-    from inference.threads import torch_threads_for
-
-    settings_validate()
-    torch_threads_for(role)
-    backend_wanted()
-    gemm_wanted()
-    try:
-        resolve_model_path()
-    except FileNotFoundError as exc:
-        raise SettingError("KVSERVE_MODEL", model_setting(), str(exc)) from None

@@ -44,6 +44,7 @@ from inference.probes import PROBES
 from inference.registry import Registry, WorkerInfo, WorkerNotRegistered
 from inference.scheduler import RequestTooLarge
 from inference.sequence import SamplingParams, Sequence, SeqStatus
+from inference.settings import runtime_settings
 from inference.streams import OutputStream
 from inference.transport import RedisTransport
 
@@ -92,8 +93,6 @@ class RuntimeOptions:
 
     @classmethod
     def from_env(cls) -> "RuntimeOptions":
-        from inference.settings import runtime_settings
-
         return cls(**runtime_settings())  # inference/settings.py: strict, SettingError naming the variable
 
     @property

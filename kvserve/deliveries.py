@@ -8,7 +8,7 @@ hash, so the reaper sends such a request once more after KVSERVE_REQUEUE_AFTER_S
 
 Without it, a message a dead worker had received waits in kombu's `unacked` hash for the whole visibility
 timeout (an hour: it must outlast the longest decode) and its request for the queue timeout. Putting a
-message back is always safe: claims are exclusive and count deliveries (kvserve/celery.py), so a copy
+message back is always safe: claims are exclusive and count deliveries (kvserve/chat/services.py), so a copy
 whose request another delivery holds, or that already ended, does nothing."""
 import base64
 import json
@@ -18,7 +18,7 @@ from celery.utils.nodenames import worker_direct
 from django.conf import settings
 from kombu import Connection
 
-from kvserve.probe_lane import probe_queue
+from kvserve.dispatch import PREFILL, prefill_task_requeue, probe_queue
 from kvserve.workers import redis_client
 
 log = logging.getLogger(__name__)
@@ -50,8 +50,6 @@ def queued_done(request_id: str) -> None:
 def queued_requeue(request_id: str) -> bool:
     """Sends a still-unclaimed request's prefill once more (claims are exclusive: a copy of a message still
     queued is harmless). Once per request: True when it was sent."""
-    from kvserve.chat.services import prefill_task_requeue
-
     raw = redis_client(settings.REDIS_URL).getdel(queued_key(request_id))
     if raw is None:
         return False
@@ -111,13 +109,11 @@ def deliveries_restore(worker_id: str) -> list[str]:
 def _direct_queue_drain(broker, queue: str, producer) -> list[str]:
     """Empties a gone worker's direct queue: its prefill tasks go to the shared queue, anything else (canary
     probes of that worker) is dropped: its canary check fails as unreachable."""
-    from kvserve.chat.services import prefill_task_requeue
-
     moved = []
     while (raw := broker.rpop(queue)) is not None:  # oldest first (kombu publishes with LPUSH)
         message = json.loads(raw)
         headers = message.get("headers") or {}
-        if headers.get("task") != "inference.prefill":
+        if headers.get("task") != PREFILL:
             log.warning("dropped %s[%s] from gone worker's queue %s", headers.get("task"), headers.get("id"), queue)
             continue
         args, _kwargs, _embed = json.loads(base64.b64decode(message["body"]))

@@ -1,4 +1,4 @@
-"""The probe lane: each engine worker consumes its probe queue (`probe_queue`, one per Celery node) on a channel,
+"""The probe lane: each engine worker consumes its probe queue (dispatch.probe_queue, one per Celery node) on a channel,
 prefetch and threads of its own, apart from the Celery threads its role's queue fills. So the canary's live
 probes reach, and are judged on, a worker whose every Celery thread is busy; the engine side of the lane is
 its page reserve for canary-probe requests (inference/scheduler.py, KVSERVE_PROBE_RESERVE_PAGES).
@@ -10,40 +10,34 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 
 from celery import bootsteps
-from kombu import Consumer, Exchange, Queue
+from django import db
+from django.conf import settings
+from kombu import Consumer
+
+from inference.probes import CANARY_PROBE_PREFIX
+from kvserve.chat.runtime import runtime_worker_id
+from kvserve.deliveries import delivery_done
+from kvserve.dispatch import DECODE, PROBE, probe_queue
 
 log = logging.getLogger(__name__)
 
-PROBE_EXCHANGE = Exchange("kvserve.probes", type="direct")
-
-
-def probe_queue(node: str) -> Queue:
-    """The probe queue of Celery node `node` (a worker's registered `node`)."""
-    return Queue(f"{node}.probes", PROBE_EXCHANGE, routing_key=node)
-
 
 def is_probe(task_name: str, args) -> bool:
-    from inference.probes import CANARY_PROBE_PREFIX
-
-    if task_name == "kvserve.probe":
+    if task_name == PROBE:
         return True
-    return task_name == "inference.decode" and bool(args) and str(args[0]).startswith(CANARY_PROBE_PREFIX)
+    return task_name == DECODE and bool(args) and str(args[0]).startswith(CANARY_PROBE_PREFIX)
 
 
 class ProbeLane(bootsteps.ConsumerStep):
     """Consumes this node's probe queue; only in a process that runs an engine (prefill or decode)."""
 
     def __init__(self, c, **kwargs):
-        from django.conf import settings
-
         super().__init__(c, **kwargs)
         self.app, self.hostname = c.app, c.hostname
         self.size = settings.KVSERVE_PROBE_LANE_THREADS
         self.threads = ThreadPoolExecutor(self.size, thread_name_prefix="probe-lane")
 
     def get_consumers(self, channel):
-        from kvserve.chat.runtime import runtime_worker_id
-
         if runtime_worker_id() is None:  # web, beat or a maintenance-only worker: nothing to probe here
             channel.close()
             return []
@@ -55,8 +49,6 @@ class ProbeLane(bootsteps.ConsumerStep):
         self.threads.submit(self.run, body, message)
 
     def run(self, body, message) -> None:
-        from django import db
-
         headers = message.headers or {}
         name, task_id = headers.get("task"), headers.get("id")
         try:
@@ -76,8 +68,5 @@ class ProbeLane(bootsteps.ConsumerStep):
                 log.exception("probe lane: ack of %s[%s] failed", name, task_id)
 
     def dropped(self, task_id: str | None) -> None:
-        from kvserve.chat.runtime import runtime_worker_id
-        from kvserve.deliveries import delivery_done
-
         if task_id and runtime_worker_id():
             delivery_done(runtime_worker_id(), task_id)

@@ -5,7 +5,9 @@ from functools import lru_cache
 import redis
 from django.conf import settings
 
+from inference.cancel import Cancellations
 from inference.registry import Registry
+from inference.streams import OutputStream
 
 log = logging.getLogger(__name__)
 
@@ -22,14 +24,10 @@ def redis_get() -> redis.Redis:
 
 
 def outputs_get():
-    from inference.streams import OutputStream
-
     return OutputStream(redis_get(), prefix=settings.KVSERVE_LEDGER_PREFIX)
 
 
 def cancels_get():
-    from inference.cancel import Cancellations
-
     return Cancellations(redis_get(), prefix=settings.KVSERVE_LEDGER_PREFIX)
 
 

@@ -20,6 +20,7 @@ from inference.kv_cache import page_checksums
 from inference.transport import RedisTransport
 from incidents.canary import live
 from incidents.canary.result import CheckResult, IncidentSpec
+from kvserve.chat.runtime import handoff_key
 from kvserve.workers import redis_get
 
 # case -> the refusal kind decode must answer with ("accepted" for the control)
@@ -97,8 +98,6 @@ def decode_side(message: dict, key: bytes, worker, transport: RedisTransport, re
 
 
 def check_handoff_contract(key: bytes | None = None) -> CheckResult:
-    from kvserve.chat.runtime import handoff_key
-
     started = time.perf_counter()
     key = key or handoff_key()
     workers = live.live_workers("decode")

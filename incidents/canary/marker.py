@@ -22,6 +22,7 @@ from incidents.canary.prompts import (ECHO_MAX_TOKENS, TENANT_A, TENANT_B, canar
                                       new_sentinel, prompt_tokens)
 from incidents.canary.result import CheckResult, IncidentSpec
 from kvserve.chat.models import ChatRequest
+from kvserve.chat.services import chat_request_create
 from kvserve.errors import ApiError
 from kvserve.workers import registry_get
 
@@ -74,8 +75,6 @@ def plan(limit: int, per_tenant: int = 2) -> list[Probe]:
 
 
 def _submit(probe: Probe, keys: dict) -> None:
-    from kvserve.chat.services import chat_request_create
-
     try:
         req, prompt_ids = chat_request_create(api_key=keys[probe.tenant], messages=probe.messages,
                                               max_tokens=probe.max_tokens, params=probe.params, stream=True)

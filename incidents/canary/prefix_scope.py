@@ -12,6 +12,7 @@ from incidents.canary.prompts import TENANT_A, TENANT_B, canary_key, new_sentine
 from incidents.canary.result import CheckResult, IncidentSpec
 from inference.allocator import LedgerError
 from kvserve.chat.models import ChatRequest
+from kvserve.chat.services import chat_request_create
 
 FILLER = "The canary reads a long and uneventful report about quarterly figures. "
 FILLER_REPEATS = 8  # about 120 prompt tokens: several full pages whatever the page size up to 64
@@ -27,8 +28,6 @@ def sentinel_prefix_messages(sentinel: str) -> list[dict]:
 
 def _ask(key, messages: list[dict], deadline: float) -> dict:
     """{"request": id, "final": the last event (done / error / timeout)} of one greedy 1-token request."""
-    from kvserve.chat.services import chat_request_create
-
     req, _ = chat_request_create(api_key=key, messages=messages, max_tokens=1, params={"temperature": 0.0},
                                  stream=True)
     final = None

@@ -26,7 +26,8 @@ from inference.kv_cache import cdiv, page_checksums
 from inference.probes import CANARY_PROBE_PREFIX, ProbeRecords
 from inference.transport import RedisTransport
 from kvserve.chat.models import ChatRequest
-from kvserve.probe_lane import probe_queue
+from kvserve.chat.runtime import handoff_key
+from kvserve.dispatch import decode_send, probe_queue, probe_send
 from kvserve.workers import redis_get
 
 # case -> the decode_verdict the worker must record ("accepted" for the control)
@@ -83,8 +84,6 @@ def _handoff_cases(run: str, w, key: bytes) -> list[dict]:
 
 
 def _send_handoff_probe(w, cases: list[dict], transport: RedisTransport, tenant) -> None:
-    from kvserve.chat.tasks import decode
-
     for c in cases:
         ChatRequest.objects.create(id=c["rid"], tenant=tenant, status=ChatRequest.Status.PREFILLING, model="canary-probe",
                                    max_tokens=4, prompt_tokens=len(c["prompt_ids"]), prompt_hash="canary-probe",
@@ -92,7 +91,7 @@ def _send_handoff_probe(w, cases: list[dict], transport: RedisTransport, tenant)
         for stored_id, blob in c["stored"]:
             h = c["handoff"] if stored_id == c["handoff"].request_id else replace(c["handoff"], request_id=stored_id)
             transport.send(h, blob)
-        decode.apply_async(args=(c["rid"], c["prompt_ids"], c["handoff"].to_dict()), queue=probe_queue(w.node))
+        decode_send(c["rid"], c["prompt_ids"], c["handoff"].to_dict(), queue=probe_queue(w.node))
 
 
 def _events(outputs, rid: str, timeout_s: float) -> list[str]:
@@ -172,8 +171,6 @@ def _handoff_check(w, cases: dict) -> dict:
 
 
 def check_live_probes(wait_s: float | None = None, key: bytes | None = None) -> CheckResult:
-    from kvserve.chat.runtime import handoff_key
-
     started = time.perf_counter()
     workers = live.serving_workers()
     decoders = [w for w in workers if w.role == "decode"]
@@ -184,8 +181,6 @@ def check_live_probes(wait_s: float | None = None, key: bytes | None = None) -> 
     prefix = live.prefix()
     records_store, transport = ProbeRecords(r, prefix), RedisTransport(r, prefix, ttl_s=int(wait_s) + 60)
     key, run, tenant = key or handoff_key(), uuid.uuid4().hex[:8], canary_key(TENANT_B).tenant
-    from incidents.tasks import probe
-
     sent: dict[str, dict] = {}  # worker -> {"probes": {name: id}, "handoff": cases}
     for w in workers:
         entry = sent[w.worker_id] = {"worker": w, "probes": {}, "handoff": []}
@@ -193,7 +188,7 @@ def check_live_probes(wait_s: float | None = None, key: bytes | None = None) -> 
             continue  # no probe queue: unreachable, not judged below
         for name in ("guard", "scrub"):
             pid = entry["probes"][name] = f"{CANARY_PROBE_PREFIX}{name}-{run}-{w.worker_id[-4:]}"
-            probe.apply_async(args=(name, pid), queue=probe_queue(w.node))
+            probe_send(name, pid, node=w.node)
         if w.role == "decode":
             entry["handoff"] = _handoff_cases(run, w, key)
             _send_handoff_probe(w, entry["handoff"], transport, tenant)

@@ -2,6 +2,7 @@
 import secrets
 import string
 
+from kvserve.chat.tokenizer import tokenizer_get
 from kvserve.tenants.models import ApiKey, Tenant
 from kvserve.tenants.services import api_key_create
 
@@ -34,8 +35,6 @@ def canary_key(tenant_name: str) -> ApiKey:
 
 
 def prompt_tokens(messages: list[dict]) -> int:
-    from kvserve.chat.services import tokenizer_get
-
     tokenizer, _, _ = tokenizer_get()
     return len(tokenizer.encode(tokenizer.render_chat(messages)))
 

@@ -12,6 +12,7 @@ from incidents.canary import live
 from incidents.canary.prompts import TENANT_B, canary_key, long_messages
 from incidents.canary.result import CheckResult, IncidentSpec
 from kvserve.chat.models import ChatRequest
+from kvserve.chat.services import chat_request_create
 from kvserve.errors import ApiError
 from kvserve.workers import registry_get
 
@@ -52,8 +53,6 @@ def check_reproduction(settle_s: float = 20.0) -> CheckResult:
     pools_before, queues_before = _pools_state(), live.broker_queue_lengths()
     refusal = None
     try:
-        from kvserve.chat.services import chat_request_create
-
         chat_request_create(api_key=key, messages=messages, max_tokens=1, params={"temperature": 0.0})
     except ApiError as exc:
         refusal = {"status": exc.status_code, "code": exc.error_code, "message": str(exc.detail)[:300]}

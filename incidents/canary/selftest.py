@@ -20,10 +20,12 @@ import time
 from functools import lru_cache
 
 from inference.faults import Faults
+from inference.loader import load_model
 from inference.memory import release_freed_memory
 from inference.sandbox import ALL_FAULTS, IncidentReplay
 from incidents.canary.prompts import new_sentinel
 from incidents.canary.result import CheckResult, IncidentSpec
+from kvserve.chat.runtime import runtime_get
 
 # scenario -> (faults injected, variant, what must happen)
 SCENARIOS = {
@@ -42,16 +44,12 @@ INCIDENT_KIND = {"admission_on": "config_unsafe", "handoff_check_on": "handoff_m
 
 @lru_cache(maxsize=1)
 def _loaded_model():
-    from inference.loader import load_model
-
     return load_model()
 
 
 def sandbox_model():
     """The model already loaded by this process's worker runtime (scheduled runs), else loaded once."""
     try:
-        from kvserve.chat.runtime import runtime_get
-
         return runtime_get().engine.loaded
     except Exception:
         return _loaded_model()

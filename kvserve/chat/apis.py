@@ -19,8 +19,9 @@ from kvserve.chat.parsers import LimitedJSONParser
 from kvserve.chat.shapes import shape_for
 from kvserve.chat.schema import SSE_EVENT_SCHEMA, error_responses
 from kvserve.chat.selectors import chat_request_get_for_tenant, model_get, model_get_by_id, served_window_get
-from kvserve.chat.services import chat_request_create, tokenizer_get
+from kvserve.chat.services import chat_request_create
 from kvserve.chat.throttling import ApiKeyRateThrottle
+from kvserve.chat.tokenizer import tokenizer_get
 from kvserve.errors import ApiError
 from inference.sampling import MAX_TOP_LOGPROBS
 

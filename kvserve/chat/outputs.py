@@ -19,6 +19,7 @@ from django.http import StreamingHttpResponse
 
 from inference.streams import AsyncOutputStream, OutputStream, ReaderStopped, is_final
 from kvserve.chat.models import ChatRequest
+from kvserve.chat.services import chat_request_cancel
 from kvserve.chat.shapes import CHAT
 from kvserve.errors import ApiError, error_body
 from kvserve.workers import outputs_get
@@ -66,8 +67,6 @@ def _backend_event(exc: Exception) -> dict:
 
 def _give_up(req: ChatRequest, event: dict) -> None:
     """The waiting response stops here: the request ends with the event's code (unless it already ended)."""
-    from kvserve.chat.services import chat_request_cancel
-
     try:
         chat_request_cancel(req.id, code=event["code"], message=event["message"])
     except Exception:

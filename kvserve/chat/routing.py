@@ -7,6 +7,12 @@ back to `prefill` (services.chat_request_prefill) and the reaper moves a gone wo
 import hashlib
 from array import array
 
+from celery.utils.nodenames import worker_direct
+
+from inference.registry import PREFILL
+from kvserve.chat.salt import request_salt
+from kvserve.workers import registry_get
+
 
 def prefix_route_key(salt: str, prompt_ids: list[int], page_size: int) -> bytes | None:
     """The routing key of a prompt: its scope and its first full page; None for a prompt shorter than one page
@@ -27,12 +33,6 @@ def prefill_worker_for(key: bytes | None, worker_ids: list[str]) -> str | None:
 def prefill_queue_for(tenant, user: str | None, prompt_ids: list[int]) -> str | None:
     """The direct queue of the live, unquarantined prefill worker most likely to hold this prompt's prefix, or
     None (the shared queue) when no worker qualifies or the prompt is shorter than a page."""
-    from celery.utils.nodenames import worker_direct
-
-    from inference.registry import PREFILL
-    from kvserve.chat.salt import request_salt
-    from kvserve.workers import registry_get
-
     registry = registry_get()
     workers = {w.worker_id: w for w in registry.live_workers(PREFILL)
                if w.node and not registry.is_quarantined(w.worker_id)}

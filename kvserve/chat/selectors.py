@@ -1,18 +1,19 @@
 """Read-only chat queries: the served model, and a tenant's own requests (another tenant's id is a 404)."""
 from functools import lru_cache
 
+import redis
+
+from inference.loader import resolve_model_path
 from kvserve.chat.models import ChatRequest
+from kvserve.chat.tokenizer import tokenizer_get
 from kvserve.errors import ApiError
 from kvserve.tenants.models import Tenant
+from kvserve.workers import registry_get
 
 
 @lru_cache(maxsize=1)
 def model_get() -> dict:
     """The one served model: id (its name), fingerprint and file time; the weights are not loaded."""
-    from inference.loader import resolve_model_path
-
-    from kvserve.chat.services import tokenizer_get
-
     _, fingerprint, name = tokenizer_get()
     return {"id": name, "object": "model", "created": int(resolve_model_path().stat().st_mtime),
             "owned_by": "kvserve", "fingerprint": fingerprint}
@@ -40,10 +41,6 @@ MAX_TOKENS_CAP = 1_048_576  # a sanity bound for validation while no worker is r
 
 def served_window_get() -> int:
     """The window live workers serve (the upper bound for max_tokens); the cap when none is known."""
-    import redis
-
-    from kvserve.workers import registry_get
-
     try:
         return registry_get().served_window() or MAX_TOKENS_CAP
     except redis.RedisError:

@@ -1,6 +1,7 @@
-"""Chat request lifecycle: admission and queueing (web), prefill and decode (workers), failure, cancellation
-and orphan reaping. Every state change of a ChatRequest row goes through here; the first terminal state
-wins (every write after a claim is conditional on it)."""
+"""Chat request lifecycle: admission and queueing (web), prefill and decode (workers), failure and cancellation.
+Every state change of a ChatRequest row goes through here or the reaper (kvserve/chat/reaper.py), which ends
+orphans through chat_request_fail; the first terminal state wins (every write after a claim is conditional on it).
+Tasks are sent by name (kvserve/dispatch.py); a refused handoff is reported by kvserve/chat/callbacks.py."""
 import hashlib
 import hmac
 import json
@@ -8,8 +9,6 @@ import logging
 import math
 import threading
 import uuid
-from datetime import timedelta
-from functools import lru_cache
 
 import redis
 from django.conf import settings
@@ -18,34 +17,29 @@ from django.db.models import F, Q
 from django.utils import timezone
 
 from inference.admission import admission_error
-from inference.allocator import LedgerError
 from inference.cancel import Cancel
 from inference.handoff import HandoffRefused, Verdict
-from inference.ledger import RedisLedger, pool_ids
 from inference.registry import PREFILL
+from inference.scheduler import RequestTooLarge
 from inference.sequence import SamplingParams
-from incidents.services import incident_record
+from inference.worker import RequestFailed
+from kvserve.chat.callbacks import handoff_refusal_record, record_safely
 from kvserve.chat.metrics import (admission_rejection_count_incr, chat_metrics_decoded, chat_metrics_failed,
                                   chat_metrics_prefilled, chat_metrics_refused)
 from kvserve.chat.models import ChatRequest
 from kvserve.chat.routing import prefill_queue_for
+from kvserve.chat.runtime import runtime_get
 from kvserve.chat.salt import request_salt
-from kvserve.deliveries import deliveries_restore, queued_done, queued_note, queued_requeue
 from kvserve.chat.tenant_limits import tenant_admission_enforce
+from kvserve.chat.tokenizer import tokenizer_get
+from kvserve.deliveries import queued_done, queued_note
+from kvserve.dispatch import decode_send, prefill_send, prefill_task_requeue
 from kvserve.errors import ApiError
 from kvserve.tenants.models import Tenant
-from kvserve.workers import cancels_get, outputs_get, redis_get, registry_get
+from kvserve.workers import cancels_get, outputs_get, registry_get
 
 log = logging.getLogger(__name__)
 Status = ChatRequest.Status
-
-
-@lru_cache(maxsize=1)
-def tokenizer_get():
-    """(ChatTokenizer, fingerprint, model name) of the served model; weights are not loaded here."""
-    from inference.loader import load_tokenizer
-
-    return load_tokenizer()
 
 
 class _Count:
@@ -142,15 +136,13 @@ def chat_request_create(*, api_key, messages: list[dict] | None = None, prompt: 
             prompt_hash=prompt_hash(text),
             prompt_text=json.dumps(messages if messages is not None else prompt) if tenant.store_text else None,
         )
-    from kvserve.chat.tasks import prefill
-
     def enqueue():
         try:  # the stream's retention is recorded before any worker can publish its final event
             outputs_get().retain(req.id, settings.KVSERVE_STREAM_RETENTION_S if tenant.store_text
                                  else settings.KVSERVE_STREAM_REPLAY_S)
             queued_note(req.id, prompt_ids)  # sent again by the reaper if no worker ever claims it
             queue = prefill_queue_for(tenant, params.get("user"), prompt_ids)  # prefix affinity
-            prefill.apply_async((req.id, prompt_ids), **({"queue": queue} if queue else {}))
+            prefill_send(req.id, prompt_ids, queue=queue)
         except Exception:  # broker down: the row must not sit queued forever
             chat_request_fail(req, code="backend_unavailable", message="the task queue is unreachable")
             raise
@@ -208,22 +200,7 @@ def _claim_token(req: ChatRequest, worker_field: str, counter: str) -> dict:
     return {"status": req.status, worker_field: getattr(req, worker_field), counter: getattr(req, counter)}
 
 
-def prefill_task_requeue(request_id: str, prompt_ids: list[int], producer=None) -> None:
-    """Sends a request's prefill task to the shared prefill queue (claims are exclusive: a copy is harmless)."""
-    from kombu import Connection
-
-    from kvserve.chat.tasks import prefill
-
-    if producer is not None:
-        return prefill.apply_async((request_id, prompt_ids), queue="prefill", producer=producer)
-    with Connection(settings.CELERY_BROKER_URL, transport_options=settings.CELERY_BROKER_TRANSPORT_OPTIONS) as conn:
-        prefill.apply_async((request_id, prompt_ids), queue="prefill", producer=conn.Producer())
-
-
 def chat_request_prefill(request_id: str, prompt_ids: list[int]) -> None:
-    from inference.worker import RequestFailed
-    from kvserve.chat.runtime import runtime_get
-
     runtime = runtime_get()
     if not runtime.consuming:  # quarantined: a task routed to this worker's direct queue goes to the others
         log.warning("quarantined: handing prefill of %s back to the shared queue", request_id)
@@ -262,16 +239,10 @@ def chat_request_prefill(request_id: str, prompt_ids: list[int]) -> None:
         runtime.transport.discard(req.id)  # ended meanwhile: nobody will decode it
         return
     chat_metrics_prefilled(req, handoff.verdict.value, handoff.cached_tokens)
-    from kvserve.chat.tasks import decode
-
-    decode.delay(req.id, prompt_ids, handoff.to_dict())
+    decode_send(req.id, prompt_ids, handoff.to_dict())
 
 
 def chat_request_decode(request_id: str, prompt_ids: list[int], handoff: dict) -> None:
-    from inference.scheduler import RequestTooLarge
-    from inference.worker import RequestFailed
-    from kvserve.chat.runtime import runtime_get
-
     runtime = runtime_get()
     req = _claim(request_id, Q(status=Status.PREFILLING), Status.DECODING,
                  "decode_worker", "decode_deliveries", runtime.worker_id, decode_started_at=timezone.now())
@@ -286,7 +257,7 @@ def chat_request_decode(request_id: str, prompt_ids: list[int], handoff: dict) -
         chat_metrics_refused(req, refused.kind)
         chat_request_fail(req, code="handoff_refused", message=f"decode refused the handoff: {refused.reason}",
                           claim=claim, decode_verdict=refused.kind[:32])
-        return _record_safely(_handoff_incident, runtime, req, refused, handoff)
+        return record_safely(handoff_refusal_record, runtime, req, refused, handoff)
     except RequestFailed as exc:
         if exc.code != "duplicate_delivery":  # the original delivery runs on: leave it alone
             chat_request_fail(req, code=exc.code, message=exc.message, claim=claim, decode_verdict="accepted")
@@ -305,141 +276,3 @@ def chat_request_decode(request_id: str, prompt_ids: list[int], handoff: dict) -
             completion_text=seq.text if req.tenant.store_text else None):
         req.finished_at = finished
         chat_metrics_decoded(req, seq)
-
-
-def _record_safely(record, *args) -> None:
-    try:
-        record(*args)
-    except Exception:
-        log.exception("could not record an incident (the request already failed closed)")
-
-
-def _handoff_incident(runtime, req, refused: HandoffRefused, handoff: dict) -> None:
-    from inference.probes import CANARY_PROBE_PREFIX
-
-    if req.id.startswith(CANARY_PROBE_PREFIX):  # the canary's handoff probe: its record, not an incident
-        from incidents.services import probe_record
-
-        return probe_record(req.id, {"probe": "handoff", "worker": runtime.worker_id, "request": req.id,
-                                     "refused": refused.kind, "reason": refused.reason[:500],
-                                     "thread": threading.current_thread().name})
-    if not refused.is_incident or refused.kind == "kv_missing":
-        return
-    kind = refused.kind if refused.kind in ("handoff_forged", "handoff_mismatch", "stale_epoch") else "handoff_mismatch"
-    incident_record(
-        kind=kind, severity="critical", pool=runtime.worker_id,
-        # a forged handoff names no trustworthy worker; a mismatching one points at its prefill worker
-        worker="" if kind == "handoff_forged" else str(handoff.get("prefill_worker", "")),
-        reader_request=req.id, detected_by="decode handoff verification",
-        epochs=list(handoff.get("page_epochs", []))[:64] if isinstance(handoff.get("page_epochs"), list) else None,
-        details={"reason": refused.reason, "verdict": str(handoff.get("verdict")),
-                 "expected_tokens": handoff.get("expected_tokens"), "transferred_tokens": handoff.get("transferred_tokens")},
-    )
-
-
-# ---- engine callbacks (run in worker threads) -------------------------------------------------
-
-def runtime_on_violation(runtime, violation) -> None:
-    incident_record(kind=violation.kind, severity="critical", pool=violation.pool, worker=runtime.worker_id,
-                    pages=[violation.page], reader_request=violation.reader,
-                    previous_owner_request=violation.page_owner or "",
-                    epochs={"reader": violation.reader_epoch, "page": violation.page_epoch},
-                    detected_by="ownership guard (before attention)", details=violation.to_dict())
-
-
-def runtime_on_reclaim(runtime, events) -> None:
-    for ev in events:
-        incident_record(kind="lease_expired", severity="warning", pool=ev.pool_id, worker=runtime.worker_id,
-                        pages=list(ev.pages), previous_owner_request=ev.owner, epochs=list(ev.epochs),
-                        detected_by="lease reaper (worker heartbeat)", details={"expired_at_ms": ev.expired_at_ms})
-
-
-def runtime_on_lease_lost(runtime, request_id: str, pages: list[int]) -> None:
-    """A request that was still running lost its lease: a warning (a timeout is not a violation)."""
-    incident_record(kind="lease_expired", severity="warning", pool=runtime.worker_id, worker=runtime.worker_id,
-                    pages=pages, reader_request=request_id, detected_by="worker lease check",
-                    details={"outcome": "the request failed with lease_lost; its pages were scrubbed by its worker"})
-
-
-def runtime_on_quarantine(runtime, quarantined: bool) -> None:
-    from kvserve.chat.runtime import consumer_toggle
-
-    consumer_toggle(runtime.role, active=not quarantined)
-
-
-# ---- maintenance -----------------------------------------------------------------------------
-# A worker is judged gone only when it is not registered AND did not beat at all between two reaper rounds
-# (Registry.silence): a registration that lapsed on Redis' clock, or a worker paused for less than a reaper
-# interval, is not enough. The reaper never marks a page clean: only a pool's own worker scrubs. It retires
-# (deletes) the pool of a worker gone for POOL_RETIRE_ROUNDS rounds; if that worker was alive after all,
-# its next heartbeat finds the pool missing and it scrubs its whole tensor before registering again.
-# The task messages a gone worker had received (prefetched or running) go back on their queues at once
-# (kvserve/deliveries.py) instead of after the broker's visibility timeout.
-WORKER_LOST_ROUNDS = 1
-POOL_RETIRE_ROUNDS = 3
-
-
-def requests_reap_orphans() -> dict:
-    """Fails requests whose worker is gone or that waited in a queue past KVSERVE_QUEUE_TIMEOUT_S, and retires
-    the pools of workers gone long enough. Returns what it did."""
-    registry, redis_client = registry_get(), redis_get()
-    prefix = settings.KVSERVE_LEDGER_PREFIX
-    live = {w.worker_id for w in registry.live_workers()}
-    rows = list(ChatRequest.objects.exclude(status__in=ChatRequest.FINAL))
-    pools = pool_ids(redis_client, prefix)
-    holders = {row.id: _holder(row) for row in rows}
-    silence = registry.silence(live | set(pools) | {w for w in holders.values() if w})
-    gone = {w for w, rounds in silence.items() if w not in live and rounds >= WORKER_LOST_ROUNDS}
-    failed, timed_out, requeued = [], [], []
-    restored = {w: ids for w in sorted(gone) if (ids := deliveries_restore(w))}
-    waited_since = timezone.now() - timedelta(seconds=settings.KVSERVE_QUEUE_TIMEOUT_S)
-    unclaimed_since = timezone.now() - timedelta(seconds=settings.KVSERVE_REQUEUE_AFTER_S)
-    for row in rows:
-        worker = holders[row.id]
-        if worker in gone:
-            if chat_request_fail(row, code="worker_lost", message=f"{row.status} worker {worker} stopped "
-                                 f"responding; the request did not complete"):
-                failed.append(row.id)
-        elif (row.status == Status.QUEUED and not row.prefill_deliveries and row.created_at < unclaimed_since
-              and row.created_at >= waited_since and queued_requeue(row.id)):
-            requeued.append(row.id)
-        elif worker is None and (row.prefill_finished_at or row.created_at) < waited_since:
-            if chat_request_fail(row, code="queue_timeout", message=f"no worker took the request within "
-                                 f"{settings.KVSERVE_QUEUE_TIMEOUT_S}s (its task was lost or the queue is stuck)"):
-                timed_out.append(row.id)
-    report = []
-    for pool_id in pools:
-        entry = {"pool": pool_id, "live": pool_id in live, "silent_rounds": silence.get(pool_id, 0)}
-        if pool_id not in live and silence.get(pool_id, 0) >= POOL_RETIRE_ROUNDS:
-            entry.update(_retire(registry, redis_client, prefix, pool_id))
-        report.append(entry)
-    return {"failed_requests": failed, "timed_out_requests": timed_out, "restored_tasks": restored,
-            "requeued_requests": requeued, "pools": report}
-
-
-def _holder(row: ChatRequest) -> str | None:
-    """The worker a request waits on, or None while it waits in a queue (queued, or prefilled for decode)."""
-    if row.status == Status.DECODING:
-        return row.decode_worker or None
-    if row.status == Status.PREFILLING and row.handoff_verdict != Verdict.OK.value:
-        return row.prefill_worker or None
-    return None
-
-
-def _retire(registry, redis_client, prefix: str, pool_id: str) -> dict:
-    try:
-        ledger = RedisLedger(redis_client, pool_id, prefix=prefix)
-    except LedgerError as exc:
-        return {"retired": False, "integrity": str(exc)}
-    try:
-        ledger.check_integrity()
-        integrity = "ok"
-    except LedgerError as exc:  # recorded, not acted on: the pool is deleted either way
-        integrity = str(exc)
-        _record_safely(lambda: incident_record(kind="integrity", severity="warning", pool=pool_id,
-                                               detected_by="periodic reaper (retiring a gone worker's pool)",
-                                               details={"error": integrity}))
-    ledger.unregister()
-    registry.forget(pool_id)
-    log.warning("retired the pool of gone worker %s (integrity: %s)", pool_id, integrity)
-    return {"retired": True, "integrity": integrity}

@@ -4,11 +4,10 @@ both, and asks its shape to render them."""
 from dataclasses import dataclass
 
 from kvserve.chat.logprobs import TokenText, chat_logprobs, completion_logprobs
+from kvserve.chat.tokenizer import tokenizer_get
 
 
 def _token_text() -> TokenText:
-    from kvserve.chat.services import tokenizer_get
-
     return _TEXT.setdefault("served", TokenText(tokenizer_get()[0]))
 
 

@@ -15,6 +15,9 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {
 CELERY_TASK_IGNORE_RESULT = True  # results live in ChatRequest rows and the SSE stream
 CELERY_TASK_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]  # never pickle
+# What a worker (and beat) process wires at start, imported after django.setup(): signal handlers, kombu hooks,
+# the engine runtime, the probe lane (kvserve/worker_boot.py). The web process never imports it.
+CELERY_IMPORTS = ("kvserve.worker_boot",)
 
 CELERY_TASK_QUEUES = (Queue("prefill"), Queue("decode"), Queue("maintenance"))
 CELERY_TASK_DEFAULT_QUEUE = "maintenance"

@@ -5,6 +5,7 @@ import json
 from asgiref.sync import async_to_sync
 
 from inference.streams import OutputStream
+from kvserve.dispatch import PREFILL
 
 
 def sse_events(body: bytes) -> list:
@@ -31,14 +32,19 @@ def streaming_body(response) -> bytes:
 
 
 class FakeWorker:
-    """Stands in for kvserve.chat.tasks.prefill: records each queued request and publishes the scripted
-    events (deltas then done, or an error) on its output stream, as decode would."""
+    """Stands in for the prefill task the services send (its `send_task` replaces the Celery app's, which
+    kvserve/dispatch.py calls): records each queued request and publishes the scripted events (deltas then
+    done, or an error) on its output stream, as decode would."""
 
     def __init__(self, redis, prefix):
         self.outputs = OutputStream(redis, prefix=prefix)
         self.calls = []
         self.events = [{"type": "delta", "text": "The capital "}, {"type": "delta", "text": "is Paris."},
                        {"type": "done", "finish_reason": "stop", "usage": {"prompt_tokens": 7, "completion_tokens": 5}}]
+
+    def send_task(self, name, args=None, queue=None, **_):
+        assert name == PREFILL, f"only prefill is sent from the web side, not {name}"
+        return self.apply_async(args, queue=queue)
 
     def apply_async(self, args, queue=None, **_):
         self.queues = getattr(self, "queues", []) + [queue]

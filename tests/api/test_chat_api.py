@@ -7,10 +7,11 @@ import json
 import pytest
 from django.db import transaction
 
-from kvserve.chat import services, tasks
+from kvserve.celery import app
+from kvserve.chat import services
 from kvserve.chat.models import ChatRequest
 from kvserve.chat.selectors import model_get
-from kvserve.chat.services import tokenizer_get
+from kvserve.chat.tokenizer import tokenizer_get
 from kvserve.tenants.models import Tenant
 from kvserve.tenants.services import api_key_create
 from tests.api.chat_helpers import FakeWorker, sse_events, streaming_body
@@ -27,14 +28,15 @@ MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture
 def chat_env(registry_settings, registry, make_worker, registry_redis, registry_prefix, monkeypatch):
     """Live prefill + decode registrations (limit 4096), the throttle cache on the test Redis under this
-    test's prefix, and a fake worker behind prefill.delay (on_commit runs at once, as in autocommit)."""
+    test's prefix, and a fake worker behind the prefill the services send (on_commit runs at once, as in
+    autocommit)."""
     registry_settings.CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache",
                                             "LOCATION": TEST_REDIS_URL, "KEY_PREFIX": f"{registry_prefix}:cache"}}
     registry_settings.KVSERVE_THROTTLE_RATE = "1000/min"
     registry.register(make_worker("prefill", worker_id="p1", capacity_tokens=4096, window=8192))
     registry.register(make_worker("decode", worker_id="d1", capacity_tokens=8192, window=8192))
     worker = FakeWorker(registry_redis, registry_prefix)
-    monkeypatch.setattr(tasks, "prefill", worker)
+    monkeypatch.setattr(app, "send_task", worker.send_task)
     monkeypatch.setattr(transaction, "on_commit", lambda fn, using=None, robust=False: fn())
     return worker
 

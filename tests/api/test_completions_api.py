@@ -6,7 +6,7 @@ import json
 import pytest
 
 from kvserve.chat.models import ChatRequest
-from kvserve.chat.services import tokenizer_get
+from kvserve.chat.tokenizer import tokenizer_get
 from tests.api.chat_helpers import sse_events, streaming_body
 from tests.api.test_chat_api import assert_error, auth, chat_env, key  # noqa: F401  (fixtures)
 

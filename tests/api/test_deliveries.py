@@ -7,9 +7,9 @@ import uuid
 import pytest
 from kombu import Connection, Exchange, Queue
 
-from kvserve.chat.services import requests_reap_orphans
-from kvserve.chat.tasks import prefill
+from kvserve.chat.reaper import requests_reap_orphans
 from kvserve.deliveries import deliveries_key, deliveries_restore, delivery_done, delivery_note, worker_node_note
+from kvserve.dispatch import prefill_send
 from tests.conftest import TEST_REDIS_URL
 from tests.incidents.helpers import live_worker
 
@@ -102,8 +102,8 @@ def test_the_reaper_sends_a_gone_workers_direct_queue_prefills_to_the_shared_que
     worker_node_note("prefill-2", "prefill2@host")
     with broker() as conn:  # routed to it by prefix affinity, never received: it died first
         producer = conn.Producer()
-        prefill.apply_async(("r-7", [1, 2, 3]), queue="prefill2@host.dq2", producer=producer)
-        prefill.apply_async(("r-8", [4, 5]), queue="prefill2@host.dq2", producer=producer)
+        prefill_send("r-7", [1, 2, 3], queue="prefill2@host.dq2", producer=producer)
+        prefill_send("r-8", [4, 5], queue="prefill2@host.dq2", producer=producer)
     registry.unregister("prefill-2")
     requests_reap_orphans()
     assert len(requests_reap_orphans()["restored_tasks"]["prefill-2"]) == 2

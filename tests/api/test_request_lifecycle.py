@@ -11,7 +11,8 @@ from inference.cancel import Cancellations
 from inference.ledger import RedisLedger
 from inference.streams import OutputStream
 from kvserve.chat.models import ChatRequest
-from kvserve.chat.services import chat_request_cancel, chat_request_fail, requests_reap_orphans
+from kvserve.chat.reaper import requests_reap_orphans
+from kvserve.chat.services import chat_request_cancel, chat_request_fail
 from kvserve.tenants.models import Tenant
 from tests.incidents.helpers import chat_request, live_worker
 

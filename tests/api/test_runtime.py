@@ -1,4 +1,4 @@
-"""The worker's engine start (kvserve.chat.runtime.worker_started, Celery's worker_init hook) in a real
+"""The worker's engine start (kvserve.worker_boot.worker_started, Celery's worker_init hook) in a real
 process: a configuration the engine refuses stops the worker with exit 3 and the operator's fix, instead
 of a worker that consumes its queue without an engine (Celery swallows a hook's exceptions)."""
 import os
@@ -11,7 +11,7 @@ import pytest
 from tests.conftest import TEST_REDIS_URL
 
 ROOT = Path(__file__).resolve().parents[2]
-START = "import django; django.setup(); from kvserve.chat.runtime import worker_started; worker_started('t@h')"
+START = "import django; django.setup(); from kvserve.worker_boot import worker_started; worker_started('t@h')"
 
 
 def start_worker(tmp_path, tiny_paths, prefix, **env):

@@ -9,7 +9,7 @@ import pytest
 from django.db import transaction
 
 from inference.ledger import RedisLedger
-from kvserve.chat import tasks
+from kvserve.celery import app
 from kvserve.chat.metrics import admission_rejection_counts
 from kvserve.chat.models import ChatRequest
 from kvserve.tenants.models import Tenant
@@ -27,8 +27,8 @@ PAGE = 16
 @pytest.fixture
 def env(registry_settings, registry, make_worker, registry_redis, registry_prefix, monkeypatch):
     """Live prefill (4096 tokens: the smallest pool) and decode (8192) registrations with their real ledger
-    pools, and a stand-in for prefill.delay that records what was queued (rows stay unfinished, as queued
-    requests do)."""
+    pools, and a stand-in for the prefill the services send, that records what was queued (rows stay unfinished,
+    as queued requests do)."""
     s = registry_settings
     s.CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache",
                             "LOCATION": TEST_REDIS_URL, "KEY_PREFIX": f"{registry_prefix}:cache"}}
@@ -41,7 +41,7 @@ def env(registry_settings, registry, make_worker, registry_redis, registry_prefi
     pools = {w: RedisLedger.register(registry_redis, w, role, n, PAGE, prefix=registry_prefix)
              for w, role, n in (("p1", "prefill", 256), ("d1", "decode", 512))}
     worker = FakeWorker(registry_redis, registry_prefix)
-    monkeypatch.setattr(tasks, "prefill", worker)
+    monkeypatch.setattr(app, "send_task", worker.send_task)
     monkeypatch.setattr(transaction, "on_commit", lambda fn, using=None, robust=False: fn())
     worker.pools = pools
     return worker

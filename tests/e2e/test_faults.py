@@ -124,7 +124,7 @@ class Stream:
 
 
 def reap(stack, rounds: int) -> list[dict]:
-    script = ("import json, time\nfrom kvserve.chat.services import requests_reap_orphans\n"
+    script = ("import json, time\nfrom kvserve.chat.reaper import requests_reap_orphans\n"
               f"for _ in range({rounds}):\n    print(json.dumps(requests_reap_orphans()))\n    time.sleep(0.3)\n")
     return [json.loads(line) for line in stack.manage("shell", "-c", script).strip().splitlines()[-rounds:]]
 

@@ -20,7 +20,7 @@ for i in range({n}):
                     details={{"i": i}})
 print("recorded")
 """
-REAP = ("import json; from kvserve.chat.services import requests_reap_orphans as r; "
+REAP = ("import json; from kvserve.chat.reaper import requests_reap_orphans as r; "
         "print(json.dumps(r(), default=str))")
 
 

@@ -55,7 +55,7 @@ print(json.dumps({
 
 REAP_ROUNDS = """
 import json, time
-from kvserve.chat.services import requests_reap_orphans
+from kvserve.chat.reaper import requests_reap_orphans
 for _ in range(%d):
     print(json.dumps(requests_reap_orphans()))
     time.sleep(0.5)

@@ -1,0 +1,16 @@
+"""The start-up check of the engine's and runtime's settings (inference/settings.py reads them): every process
+runs it, the web from kvserve/settings/engine.py, so a malformed value stops it at start, named. No torch here."""
+from inference.faults import Faults
+from inference.settings import (engine_settings, port_setting, redis_url_setting, role_setting,
+                                runtime_settings)
+
+
+def settings_validate() -> None:
+    """Reads the engine's and runtime's settings (no torch: the web process checks them too, from
+    kvserve/settings/engine.py): SettingError at the first malformed one."""
+    engine_settings()
+    runtime_settings()
+    role_setting()
+    redis_url_setting()
+    port_setting()
+    Faults.from_env()
