@@ -100,7 +100,7 @@ def _events(outputs, rid: str, timeout_s: float) -> list[str]:
     types = []
     try:
         for e in outputs.read(rid, timeout_s=timeout_s):
-            types.append(e.get("type"))
+            types.append(e.type)
     except TimeoutError:
         pass
     return types

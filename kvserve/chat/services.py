@@ -20,6 +20,7 @@ from django.utils import timezone
 from inference.admission import admission_error
 from inference.allocator import LedgerError
 from inference.cancel import Cancel
+from inference.events import Error
 from inference.handoff import HandoffRefused, Verdict
 from inference.ledger import RedisLedger, ledger_key
 from inference.registry import PREFILL
@@ -163,8 +164,9 @@ def chat_request_fail(req: ChatRequest, *, code: str, message: str, status: str 
                       claim: dict | None = None, **fields) -> bool:
     """Ends a request that has not ended yet, as failed (or rejected) with `code`: the first terminal state
     wins and this one is written only if none was (and, with `claim`, only while that delivery holds the
-    row). Publishes the error event and raises the request's cancel flag, so any worker still holding it
-    lets go. False when nothing was written."""
+    row). Publishes the error event (a stream keeps only its first final event: when the worker gave the request
+    up, its own came first) and raises the request's cancel flag, so any worker still holding it lets go. False
+    when nothing was written."""
     now = timezone.now()
     changed = ChatRequest.objects.filter(id=req.id, **(claim or {})).exclude(status__in=ChatRequest.FINAL).update(
         status=status, error_code=code, error_message=message, finished_at=now, **fields)
@@ -175,7 +177,7 @@ def chat_request_fail(req: ChatRequest, *, code: str, message: str, status: str 
         setattr(req, name, value)
     chat_metrics_failed(req, code)
     try:
-        outputs_get().publish(req.id, {"type": "error", "code": code, "message": message})
+        outputs_get().publish(req.id, Error(code, message))
         cancels_get().request(Cancel(req.id, code, message))
     except redis.RedisError:
         log.warning("request %s failed (%s) but Redis is unreachable: no error event or cancel flag", req.id, code)

@@ -7,6 +7,7 @@ import json
 import pytest
 from django.db import transaction
 
+from inference.events import Delta, Error
 from kvserve.chat import services, tasks
 from kvserve.chat.models import ChatRequest
 from kvserve.chat.selectors import model_get
@@ -150,14 +151,14 @@ def test_stream_without_usage_has_no_usage_chunk(client, chat_env, key):
 
 @pytest.mark.parametrize("code", ["handoff_refused", "kv_isolation_violation", "worker_lost", "engine_error"])
 def test_worker_failure_is_503_never_200(client, chat_env, key, code):
-    chat_env.events = [{"type": "delta", "text": "leaked?"}, {"type": "error", "code": code, "message": "failed closed"}]
+    chat_env.events = [Delta("leaked?"), Error(code, "failed closed")]
     response = post(client, key, {"messages": MESSAGES})
     error = assert_error(response, 503, code=code)
     assert error["type"] == "server_error" and b"leaked?" not in response.content
 
 
 def test_worker_failure_in_stream_is_an_error_event_then_done(client, chat_env, key):
-    chat_env.events = [{"type": "error", "code": "handoff_refused", "message": "decode refused the handoff"}]
+    chat_env.events = [Error("handoff_refused", "decode refused the handoff")]
     events = sse_events(streaming_body(post(client, key, {"messages": MESSAGES, "stream": True})))
     assert events[-1] == "[DONE]"
     assert events[-2]["error"]["code"] == "handoff_refused" and events[-2]["error"]["type"] == "server_error"
@@ -165,7 +166,7 @@ def test_worker_failure_in_stream_is_an_error_event_then_done(client, chat_env, 
 
 
 def test_worker_side_admission_rejection_is_400(client, chat_env, key):
-    chat_env.events = [{"type": "error", "code": "context_length_exceeded", "message": "too long for this worker"}]
+    chat_env.events = [Error("context_length_exceeded", "too long for this worker")]
     assert_error(post(client, key, {"messages": MESSAGES}), 400, code="context_length_exceeded", param="messages")
 
 
@@ -259,7 +260,7 @@ def test_stream_retention_follows_store_text(client, chat_env, registry_redis, s
     api_key, raw = api_key_create("retained" if store_text else "private")
     Tenant.objects.filter(pk=api_key.tenant_id).update(store_text=store_text)
     done = post(client, raw, OK).json()["id"]  # the fake worker publishes deltas and done, as decode does
-    chat_env.events = [{"type": "delta", "text": "partial"}]
+    chat_env.events = [Delta("partial")]
     post(client, raw, {**OK, "stream": True})  # a stream: answered before the request ends
     failed = ChatRequest.objects.get(id=chat_env.calls[-1][0])
     services.chat_request_fail(failed, code="worker_lost", message="gone")  # a final event from the web side

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from inference.events import Delta, Done, Usage
 from kvserve.chat.models import ChatRequest
 from kvserve.chat.services import tokenizer_get
 from tests.api.chat_helpers import sse_events, streaming_body
@@ -110,10 +111,10 @@ def logprob_events():
     tk = tokenizer_get()[0]
     paris, dot, alt = tk.encode(" Paris")[0], tk.encode(".")[0], tk.encode(" Lyon")[0]
     eos = tk.eos_ids[0]
-    return [{"type": "delta", "text": " Paris", "logprobs": [[paris, -0.25, [[paris, -0.25], [alt, -2.5]]]]},
-            {"type": "delta", "text": ".", "logprobs": [[dot, -0.5, [[dot, -0.5], [paris, -3.0]]]]},
-            {"type": "delta", "text": "", "logprobs": [[eos, -0.1, [[eos, -0.1], [dot, -4.0]]]]},
-            {"type": "done", "finish_reason": "stop", "usage": {"prompt_tokens": 7, "completion_tokens": 3}}]
+    return [Delta(" Paris", [[paris, -0.25, [[paris, -0.25], [alt, -2.5]]]]),
+            Delta(".", [[dot, -0.5, [[dot, -0.5], [paris, -3.0]]]]),
+            Delta("", [[eos, -0.1, [[eos, -0.1], [dot, -4.0]]]]),
+            Done("stop", Usage(7, 3))]
 
 
 def test_chat_logprobs_in_openai_shape(client, chat_env, key):
