@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from django.conf import settings
 
 from inference.events import Delta, Done, OutputEvent
+from inference.params import RequestParams, Sampling
 from inference.sandbox import audit_read_record, normalize, sentinel_seen
 from incidents.canary import live
 from incidents.canary.prompts import (ECHO_MAX_TOKENS, TENANT_A, TENANT_B, canary_key, echo_messages, long_messages,
@@ -34,7 +35,7 @@ class Probe:
     max_tokens: int
     expect: str  # "accept" | "refuse"
     sentinel: str = ""
-    params: dict = field(default_factory=lambda: {"temperature": 0.0})
+    params: RequestParams = RequestParams(Sampling(temperature=0.0))
     prompt_tokens: int = 0
     request_id: str = ""
     refusal: dict | None = None
@@ -62,7 +63,7 @@ def plan(limit: int, per_tenant: int = 2) -> list[Probe]:
     # exactly at the limit: a short prompt whose max_tokens fills the rest (stop strings end it early)
     s = new_sentinel()
     at = Probe(f"{TENANT_B}-at-limit", TENANT_B, echo_messages(s), 0, "accept", s,
-               params={"temperature": 0.0, "stop": ["\n"]})
+               params=RequestParams(Sampling(temperature=0.0, stop=("\n",))))
     at.prompt_tokens = prompt_tokens(at.messages)
     at.max_tokens = limit - at.prompt_tokens
     # one token over: by prompt length, and by max_tokens

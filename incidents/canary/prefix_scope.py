@@ -12,10 +12,12 @@ from incidents.canary.prompts import TENANT_A, TENANT_B, canary_key, new_sentine
 from incidents.canary.result import CheckResult, IncidentSpec
 from inference.allocator import LedgerError
 from inference.events import Delta, Done
+from inference.params import RequestParams, Sampling
 from kvserve.chat.models import ChatRequest
 
 FILLER = "The canary reads a long and uneventful report about quarterly figures. "
 FILLER_REPEATS = 8  # about 120 prompt tokens: several full pages whatever the page size up to 64
+GREEDY = RequestParams(Sampling(temperature=0.0))
 
 
 def sentinel_prefix_messages(sentinel: str) -> list[dict]:
@@ -30,7 +32,7 @@ def _ask(key, messages: list[dict], deadline: float) -> dict:
     """{"request": id, "final": its final event (Done / Error; None: timed out)} of one greedy 1-token request."""
     from kvserve.chat.services import chat_request_create
 
-    req, _ = chat_request_create(api_key=key, messages=messages, max_tokens=1, params={"temperature": 0.0},
+    req, _ = chat_request_create(api_key=key, messages=messages, max_tokens=1, params=GREEDY,
                                  stream=True)
     final = None
     try:

@@ -8,6 +8,7 @@ import pytest
 from django.db import transaction
 
 from inference.events import Delta, Error
+from inference.params import RequestParams, Sampling
 from kvserve.chat import services, tasks
 from kvserve.chat.models import ChatRequest
 from kvserve.chat.selectors import model_get
@@ -91,8 +92,10 @@ def test_content_parts_unknown_fields_and_defaults(client, chat_env, key):
     response = post(client, key, body)
     assert response.status_code == 200, response.content
     req = ChatRequest.objects.get()
-    assert req.max_tokens == 256 and req.params["seed"] is not None  # default max_tokens; a seed fixed at entry
-    assert "temperature" not in req.params  # the engine default: greedy
+    params = req.request_params
+    assert req.max_tokens == 256 and params.sampling.seed is not None  # default max_tokens; a seed fixed at entry
+    assert params.sampling.temperature is None  # the engine default: greedy
+    assert (params.user, params.sampling.logprobs, params.endpoint) == ("u-1", 0, "chat")
 
 
 def test_sampling_parameters_reach_the_request(client, chat_env, key):
@@ -101,7 +104,9 @@ def test_sampling_parameters_reach_the_request(client, chat_env, key):
     assert response.status_code == 200, response.content
     req = ChatRequest.objects.get()
     assert req.max_tokens == 9
-    assert req.params == {"temperature": 0.7, "top_p": 0.9, "seed": -5, "stop": ["\n"]}
+    assert req.request_params == RequestParams(Sampling(temperature=0.7, top_p=0.9, seed=-5, stop=("\n",)))
+    assert req.params == {"v": 1, "sampling": {"temperature": 0.7, "top_p": 0.9, "seed": -5, "stop": ["\n"]},
+                          "endpoint": "chat"}  # versioned, who asked apart from how to sample
 
 
 def test_max_completion_tokens_wins_over_max_tokens(client, chat_env, key):
@@ -121,7 +126,8 @@ def test_extreme_sampling_values_are_normalized_to_what_the_engine_can_sample(cl
     response = post(client, key, {"messages": MESSAGES, "temperature": temperature, "top_p": top_p, "seed": 1})
     assert response.status_code == 200, response.content
     req = ChatRequest.objects.get()
-    assert req.params["temperature"] in (0.0, temperature) and req.params["top_p"] >= 1e-6
+    sampling = req.request_params.sampling
+    assert sampling.temperature in (0.0, temperature) and sampling.top_p >= 1e-6
     logits = torch.randn(1, 49152) * 20
     assert sample(logits, [sampling_params(req)], [0]) == [int(logits.argmax())]
 
@@ -491,7 +497,7 @@ def test_detail_of_own_request(client, two_tenants):
     assert body["usage"]["completion_tokens"] == 5 and body["usage"]["prompt_tokens"] == req.prompt_tokens
     assert body["verdicts"] == {"handoff": "OK", "decode": "accepted"} and body["error"] is None
     assert set(body["timings"]) == {"queued_ms", "prefill_ms", "transfer_ms", "decode_ms", "total_ms"}
-    assert body["finish_reason"] == "stop" and body["params"]["seed"] == req.params["seed"]
+    assert body["finish_reason"] == "stop" and body["params"]["seed"] == req.request_params.sampling.seed
 
 
 def test_detail_shows_the_error(client, two_tenants):

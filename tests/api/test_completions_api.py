@@ -35,7 +35,7 @@ def test_a_text_prompt_is_used_as_given_and_answered_in_the_legacy_shape(client,
                              "prompt_tokens_details": {"cached_tokens": 0}}
     ((_, prompt_ids),) = chat_env.calls
     assert prompt_ids == ids("The capital of France is")  # no chat template around it
-    assert req.max_tokens == 5 and req.params["endpoint"] == "completions"
+    assert req.max_tokens == 5 and req.request_params.endpoint == "completions"
 
 
 @pytest.mark.parametrize("form", ["ids", "list_of_text", "list_of_ids"])
@@ -121,7 +121,7 @@ def test_chat_logprobs_in_openai_shape(client, chat_env, key):
     chat_env.events = logprob_events()
     body = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 1}
     choice = post(client, key, body, url="/v1/chat/completions").json()["choices"][0]
-    assert ChatRequest.objects.get().params["logprobs"] == 1  # what the engine is asked for
+    assert ChatRequest.objects.get().request_params.sampling.logprobs == 1  # what the engine is asked for
     assert choice["message"]["content"] == " Paris."
     assert choice["logprobs"] == {"refusal": None, "content": [  # the end-of-sequence token is not in the text
         {"token": " Paris", "logprob": -0.25, "bytes": list(b" Paris"),

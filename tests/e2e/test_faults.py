@@ -189,13 +189,14 @@ def test_the_web_process_dying_mid_stream_lets_the_request_finish_and_be_replaye
 SHELL_TWICE = """
 import json
 from django.db import transaction
+from inference.params import RequestParams, Sampling
 from kvserve.chat.services import chat_request_create
 from kvserve.chat.tasks import prefill
 from kvserve.tenants.services import api_key_create
 key, _ = api_key_create("twice")
 with transaction.atomic():
     req, ids = chat_request_create(api_key=key, messages=[{"role": "user", "content": "Hello twice"}],
-                                   max_tokens=60, params={"temperature": 0.0})
+                                   max_tokens=60, params=RequestParams(Sampling(temperature=0.0)))
 prefill.delay(req.id, ids)  # the broker delivers the same task a second time
 print(json.dumps({"id": req.id}))
 """
@@ -246,7 +247,8 @@ def test_a_decode_worker_paused_until_the_reaper_gives_up_drops_the_request_and_
     assert (r["status"], r["error_code"]) == ("failed", "worker_lost")
     ledger = RedisLedger(fstack.redis, decoder.worker_id, prefix=fstack.prefix)
     wait_for(lambda: not ledger.pages_of(s.id), 30, "the resumed worker to drop the request")
-    events = [event_decode(f[b"e"]) for _, f in fstack.redis.xrange(OutputStream(fstack.redis, fstack.prefix).key(s.id))]
+    stream = OutputStream(fstack.redis, fstack.prefix)
+    events = [event_decode(f[b"e"]) for _, f in fstack.redis.xrange(stream.key(s.id))]
     assert not any(isinstance(e, Done) for e in events)  # dropped at once (its cancel flag), not run to its end
     again = Stream(fstack, max_tokens=20).rest()
     again.close()

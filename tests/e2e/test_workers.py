@@ -10,12 +10,13 @@ from inference.streams import OutputStream
 SHELL_SUBMIT = """
 import json
 from django.db import transaction
+from inference.params import RequestParams, Sampling
 from kvserve.chat.services import chat_request_create
 from kvserve.tenants.services import api_key_create
 key, _ = api_key_create("e2e")
 with transaction.atomic():
     req, ids = chat_request_create(api_key=key, messages=[{"role": "user", "content": "Tell me a long story about a dragon."}],
-                                   max_tokens=400, params={"temperature": 0.0})
+                                   max_tokens=400, params=RequestParams(Sampling(temperature=0.0)))
 print(json.dumps({"id": req.id}))
 """
 
