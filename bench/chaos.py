@@ -40,6 +40,7 @@ import httpx
 from bench.chaos_clients import Call, run_call, sightings, story_messages
 from bench.chaos_stack import FINAL, LEASE_TTL_S, REAPER_S, TENANTS, WORKERS, ChaosStack, parse_time
 from bench.common import emit_json, print_table
+from inference.events import Delta, OutputEvent, is_final
 
 IN_FLIGHT_MIN = 8
 TARGETS = {"lost": 0, "foreign_sightings": 0, "false_critical_incidents": 0, "stranded_pages": 0,
@@ -424,11 +425,11 @@ def ran_once(stack: ChaosStack, ctx: Ctx, rows: list[dict]) -> bool:
         stream_matches_row(stack.output_events(rid), next((r for r in rows if r["id"] == rid), None)) for rid in rids)
 
 
-def stream_matches_row(events: list[dict], row: dict | None) -> bool:
+def stream_matches_row(events: list[OutputEvent], row: dict | None) -> bool:
     """Exactly one final event, and a done row stored what the stream carried: a task run twice shows as two
     final events or as interleaved deltas."""
-    finals = [e for e in events if e["type"] in ("done", "error")]
-    streamed = "".join(e.get("text", "") for e in events if e["type"] == "delta")
+    finals = [e for e in events if is_final(e)]
+    streamed = "".join(e.text for e in events if isinstance(e, Delta))
     return len(finals) == 1 and row is not None and (row["status"] != "done" or streamed == (row["completion_text"] or ""))
 
 

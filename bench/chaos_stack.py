@@ -19,6 +19,7 @@ from bench.hosts import Hosts, RedisHost
 from inference.allocator import LedgerError
 from inference.ledger import RedisLedger, pool_ids
 from inference.registry import Registry, WorkerInfo
+from inference.events import OutputEvent, event_decode
 from inference.streams import OutputStream
 from tests.e2e.stack import Stack
 
@@ -253,7 +254,7 @@ class ChaosStack(Stack):
         payload.setdefault("properties", {}).setdefault("delivery_info", {})["redelivered"] = True
         self.redis_host.client().rpush(self.broker_key(queue), json.dumps(payload))
 
-    def output_events(self, request_id: str) -> list[dict]:
+    def output_events(self, request_id: str) -> list[OutputEvent]:
         """Every event on the request's output stream, in order."""
         outputs = OutputStream(self.redis_host.client(), prefix=self.prefix)
-        return [json.loads(fields[b"e"]) for _, fields in outputs.redis.xrange(outputs.key(request_id))]
+        return [event_decode(fields[b"e"]) for _, fields in outputs.redis.xrange(outputs.key(request_id))]

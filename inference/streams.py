@@ -1,6 +1,7 @@
-"""Per-request output events on a Redis stream: decode appends deltas and one final event; the API
-reads them (blocking) for SSE and for non-streamed answers. No subscribe/publish race: a reader that
-arrives late still sees every event from the start.
+"""Per-request output events (inference.events) on a Redis stream: decode appends deltas and one final event;
+the API reads them (blocking) for SSE and for non-streamed answers. No subscribe/publish race: a reader that
+arrives late still sees every event from the start. A stream takes one final event: whatever is published for
+it after that (a second error from whoever else ends the request, a late delta) is dropped.
 
 Retention: while a request runs its stream lives `ttl_s` past its latest event; the final event cuts
 that to the retention the API recorded at admission (`retain`), or to `replay_s` when none was.
@@ -13,42 +14,51 @@ import uuid
 
 import redis
 
+from inference.events import OutputEvent, event_decode, event_encode, is_final
 from inference.retry import repeat, repeat_async
 
 # KEYS: the batch's key, the previous batch's key (or ''), then per event its stream and retention key; ARGV: running
 # TTL, replay seconds, maxlen, then per event 'final' or 'delta' and its json. Appends the events past the count
 # the batch's key records (a batch repeated after its reply was lost appends nothing twice), a final event
-# setting its stream's expiry; records the count; the previous batch, answered, no longer needs its key.
+# marked (field k) and setting its stream's expiry; nothing is appended to a stream whose latest entry is
+# marked final. Records the count; the previous batch, answered, no longer needs its key. Returns how many
+# events were appended.
 _PUBLISH_LUA = """
 local ttl, replay, maxlen = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
 local n = (#ARGV - 3) / 2
 local done = tonumber(redis.call('GET', KEYS[1]) or '0')
+local ended, appended = {}, 0
 for i = done + 1, n do
   local stream, keep_key = KEYS[1 + 2 * i], KEYS[2 + 2 * i]
-  redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'e', ARGV[3 + 2 * i])
-  if ARGV[2 + 2 * i] == 'final' then
-    local keep = tonumber(redis.call('GET', keep_key)) or replay
-    redis.call('EXPIRE', stream, keep)
-    redis.call('EXPIRE', keep_key, keep)
-  else
-    redis.call('EXPIRE', stream, ttl)
+  if ended[stream] == nil then
+    local last = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)[1]
+    ended[stream] = last ~= nil and last[2][3] == 'k'
+  end
+  if not ended[stream] then
+    appended = appended + 1
+    if ARGV[2 + 2 * i] == 'final' then
+      redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'e', ARGV[3 + 2 * i], 'k', 'final')
+      local keep = tonumber(redis.call('GET', keep_key)) or replay
+      redis.call('EXPIRE', stream, keep)
+      redis.call('EXPIRE', keep_key, keep)
+      ended[stream] = true
+    else
+      redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', 'e', ARGV[3 + 2 * i])
+      redis.call('EXPIRE', stream, ttl)
+    end
   end
 end
 redis.call('SET', KEYS[1], string.format('%d', n), 'EX', ttl)
 if KEYS[2] ~= '' then redis.call('DEL', KEYS[2]) end
-return n - done
+return appended
 """
 MAXLEN = 100_000
 BLOCK_S = 1.0  # the longest XREAD BLOCK
 
 
-def decode_entries(reply) -> list[tuple[bytes, dict]]:
+def decode_entries(reply) -> list[tuple[bytes, OutputEvent]]:
     """(entry id, event) pairs of one XREAD reply on a single stream."""
-    return [(entry_id, json.loads(fields[b"e"] if b"e" in fields else fields["e"])) for entry_id, fields in reply[0][1]]
-
-
-def is_final(event: dict) -> bool:
-    return event["type"] in ("done", "error")
+    return [(entry_id, event_decode(fields[b"e"] if b"e" in fields else fields["e"])) for entry_id, fields in reply[0][1]]
 
 
 class ReaderStopped(Exception):
@@ -77,18 +87,20 @@ class OutputStream:
     def batch_key(self, batch: str) -> str:
         return f"{self.prefix}:outbatch:{batch}"
 
-    def publish_many(self, events: list[tuple[str, dict]], batch: str | None = None, answered: str | None = None) -> int:
-        """[(request_id, event)] in one atomic step, repeated after a dropped connection. Event types: delta,
-        done, error. `batch` keys the call: the same batch published again (its reply was lost, and events
-        may have been added to its tail since) appends only what the earlier call did not; `answered`, an
-        earlier batch whose call returned, is forgotten. Returns how many events were appended."""
+    def publish_many(self, events: list[tuple[str, OutputEvent]], batch: str | None = None,
+                     answered: str | None = None) -> int:
+        """[(request_id, event)] in one atomic step, repeated after a dropped connection. `batch` keys the
+        call: the same batch published again (its reply was lost, and events may have been added to its tail
+        since) appends only what the earlier call did not; `answered`, an earlier batch whose call returned, is
+        forgotten. Events for a stream that already holds its final event are dropped. Returns how many events
+        were appended."""
         if not events:
             return 0
         keys = [self.batch_key(batch or uuid.uuid4().hex), self.batch_key(answered) if answered else ""]
         args = [self.ttl_s, self.replay_s, MAXLEN]
         for request_id, event in events:
             keys += [self.key(request_id), self.retention_key(request_id)]
-            args += ["final" if is_final(event) else "delta", json.dumps(event)]
+            args += ["final" if is_final(event) else "delta", event_encode(event)]
         appended = int(repeat(lambda: self._publish(keys=keys, args=args), f"publishing {len(events)} output events"))
         if batch is None:  # a one-off call: its key is not needed past its answer
             try:
@@ -108,8 +120,9 @@ class OutputStream:
         records = [json.loads(f[b"r"] if b"r" in f else f["r"]) for _, f in self.redis.xrevrange(self.reads_key(), count=count)]
         return [r for r in records if request_ids is None or r["request"] in request_ids]
 
-    def publish(self, request_id: str, event: dict) -> None:
-        self.publish_many([(request_id, event)])
+    def publish(self, request_id: str, event: OutputEvent) -> bool:
+        """True when appended (False: the stream had its final event already)."""
+        return bool(self.publish_many([(request_id, event)]))
 
     def read(self, request_id: str, timeout_s: float, last_id: str = "0-0", stop=None):
         """Yields events until a final one (done/error); raises TimeoutError when none comes in time, and

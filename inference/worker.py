@@ -33,6 +33,7 @@ import torch
 from inference.allocator import LedgerError, PoolLost
 from inference.cancel import Cancel, Cancellations
 from inference.engine import Engine, EngineConfig
+from inference.events import Delta, Done, Error, OutputEvent, Usage
 from inference.fair_queue import TenantQueues
 from inference.handoff import DecodeSide, Handoff, Verdict, handoff_accept
 from inference.host_ledger import UNREACHABLE, HostLedger
@@ -57,15 +58,6 @@ POOL_LOST_ERROR = ("the worker's page pool vanished from Redis (restart, failove
                    "stopped, the worker scrubbed its pages and serves again")
 EXIT_LOOP_DEAD = 70  # the process exit status when the engine loop cannot go on
 MAX_OUTBOX = 100_000  # output events kept while Redis is unreachable
-
-
-def delta_event(text: str, token: int | None = None, logprobs=None) -> dict:
-    """An output event: new text and, when the request asked for them, the log-probabilities of the token this
-    step produced, `logprobs: [[token id, logprob, [[id, logprob], ...]]]` (a token's text may come later)."""
-    event = {"type": "delta", "text": text}
-    if logprobs is not None:
-        event["logprobs"] = [[token, logprobs[0], [list(t) for t in logprobs[1]]]]
-    return event
 
 
 class WindowTooLarge(Exception):
@@ -258,7 +250,7 @@ class WorkerRuntime:
         self._commands: queue.Queue = queue.Queue()
         self._futures: dict[str, Future] = {}  # requests this worker runs, by id
         self._pending: TenantQueues[DecodeCommand] = TenantQueues()  # verified decodes waiting for pages
-        self._outbox: list[tuple[str, dict]] = []  # output events Redis has not taken yet
+        self._outbox: list[tuple[str, OutputEvent]] = []  # output events Redis has not taken yet
         self._outbox_batch = uuid.uuid4().hex  # keys the outbox's publish (inference.streams.publish_many)
         self._answered_batch: str | None = None
         self._unclean: list[int] = []  # scrubbed pages whose mark_clean Redis has not taken yet
@@ -496,7 +488,7 @@ class WorkerRuntime:
                 self._misroute_first_page(seq)
             self.metrics.on_token(rid, seq.is_done)
             if seq.text or cmd.first_logprobs:
-                self._publish([(rid, delta_event(seq.text, cmd.first_token, cmd.first_logprobs))])
+                self._publish([(rid, Delta.step(seq.text, cmd.first_token, cmd.first_logprobs))])
             if seq.is_done:
                 self._finish([seq], self._host.take_refused())
 
@@ -532,7 +524,7 @@ class WorkerRuntime:
             if seq.prefill_only and seq.status is SeqStatus.PREFILLED:
                 exported[seq.request_id] = prefill_export(e, seq, ev.logprobs)
             elif ev.text_delta or ev.logprobs:
-                out.append((seq.request_id, delta_event(ev.text_delta, ev.token, ev.logprobs)))
+                out.append((seq.request_id, Delta.step(ev.text_delta, ev.token, ev.logprobs)))
             if ev.finished:
                 finished.append(seq)
         self._publish(out)
@@ -564,9 +556,8 @@ class WorkerRuntime:
                 if fut:
                     fut.set_result(exported[rid])
             else:
-                self._publish([(rid, {"type": "done", "finish_reason": seq.finish_reason, "usage": {
-                    "prompt_tokens": seq.num_prompt_tokens, "completion_tokens": len(seq.output_ids),
-                    "cached_tokens": seq.cached_tokens}})])
+                self._publish([(rid, Done(seq.finish_reason, Usage(seq.num_prompt_tokens, len(seq.output_ids),
+                                                                    seq.cached_tokens)))])
                 if seq.read_record:
                     try:
                         self.outputs.record_read(seq.read_record)
@@ -590,7 +581,7 @@ class WorkerRuntime:
         self.engine.abort(rid, message)
         for cmd in [c for c in self._pending if c.request_id == rid]:
             self._pending.remove(cmd)
-        self._publish([(rid, {"type": "error", "code": code, "message": message})])
+        self._publish([(rid, Error(code, message))])
         if fut and not fut.done():
             fut.set_exception(RequestFailed(code, message))
 
@@ -660,7 +651,7 @@ class WorkerRuntime:
             self._claimed.difference_update(self._unclean)
         self._unclean = []
 
-    def _publish(self, events: list[tuple[str, dict]]) -> None:
+    def _publish(self, events: list[tuple[str, OutputEvent]]) -> None:
         self._outbox.extend(events)
         self._flush()
 
@@ -687,7 +678,7 @@ class WorkerRuntime:
         log.critical("worker %s: %s; failing its requests, unregistering and exiting", self.worker_id, reason)
         for rid, fut in list(self._futures.items()):
             try:
-                self.outputs.publish(rid, {"type": "error", "code": "engine_error", "message": reason})
+                self.outputs.publish(rid, Error("engine_error", reason))
             except Exception:
                 pass
             if not fut.done():

@@ -12,10 +12,12 @@ tokens than were written for it, when an edge request is handled wrongly, and - 
 vacuously - when none of A's responses shows A's own sentinel."""
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from django.conf import settings
 
+from inference.events import Delta, Done, OutputEvent
+from inference.params import RequestParams, Sampling
 from inference.sandbox import audit_read_record, normalize, sentinel_seen
 from incidents.canary import live
 from incidents.canary.prompts import (ECHO_MAX_TOKENS, TENANT_A, TENANT_B, canary_key, echo_messages, long_messages,
@@ -34,16 +36,23 @@ class Probe:
     max_tokens: int
     expect: str  # "accept" | "refuse"
     sentinel: str = ""
-    params: dict = field(default_factory=lambda: {"temperature": 0.0})
+    params: RequestParams = RequestParams(Sampling(temperature=0.0))
     prompt_tokens: int = 0
     request_id: str = ""
     refusal: dict | None = None
     deltas: list[str] = field(default_factory=list)
-    final: dict | None = None
+    final: OutputEvent | None = None  # its final event (Done or Error)
+    timed_out_after_s: float | None = None  # no final event came: how long past the deadline reading stopped
 
     @property
     def text(self) -> str:
         return "".join(self.deltas)
+
+    def final_fields(self) -> dict:
+        """Its final event (or timeout) as the check's details record it; {} when it had none."""
+        if self.final is not None:
+            return {"type": self.final.type, **asdict(self.final)}
+        return {} if self.timed_out_after_s is None else {"type": "timeout", "after_s": self.timed_out_after_s}
 
 
 def plan(limit: int, per_tenant: int = 2) -> list[Probe]:
@@ -55,7 +64,7 @@ def plan(limit: int, per_tenant: int = 2) -> list[Probe]:
     # exactly at the limit: a short prompt whose max_tokens fills the rest (stop strings end it early)
     s = new_sentinel()
     at = Probe(f"{TENANT_B}-at-limit", TENANT_B, echo_messages(s), 0, "accept", s,
-               params={"temperature": 0.0, "stop": ["\n"]})
+               params=RequestParams(Sampling(temperature=0.0, stop=("\n",))))
     at.prompt_tokens = prompt_tokens(at.messages)
     at.max_tokens = limit - at.prompt_tokens
     # one token over: by prompt length, and by max_tokens
@@ -95,12 +104,12 @@ def _read(probes: list[Probe], deadline: float) -> None:
             if remaining <= 0.5:
                 raise TimeoutError
             for event in stream.read(probe.request_id, timeout_s=remaining):
-                if event["type"] == "delta":
-                    probe.deltas.append(event.get("text", ""))
+                if isinstance(event, Delta):
+                    probe.deltas.append(event.text)
                 else:
                     probe.final = event
         except TimeoutError:
-            probe.final = {"type": "timeout", "after_s": round(time.monotonic() - deadline, 1)}
+            probe.timed_out_after_s = round(time.monotonic() - deadline, 1)
 
 
 def _row(request_id: str, wait_s: float = 10.0) -> ChatRequest | None:
@@ -149,10 +158,11 @@ def check_marker(timeout_s: float | None = None) -> CheckResult:
             incidents.append(IncidentSpec(kind="config_unsafe", severity="warning", details={
                 "detected_by": "canary marker", "problem": "request within the limit refused", "refusal": p.refusal}))
     for p in accepted:
-        if not p.final or p.final.get("type") != "done":
-            problems.append(f"{p.name} ({p.request_id}) did not finish: {p.final}")
+        if not isinstance(p.final, Done):
+            problems.append(f"{p.name} ({p.request_id}) did not finish: {p.final_fields() or None}")
             incidents.append(IncidentSpec(kind="canary_leak", severity="warning", reader_request=p.request_id[:100],
-                                          details={"detected_by": "canary marker", "final_event": p.final}))
+                                          details={"detected_by": "canary marker",
+                                                   "final_event": p.final_fields() or None}))
     # leaks: every response and every delta against every other request's sentinel
     leaks = []
     for p in accepted:
@@ -185,8 +195,8 @@ def check_marker(timeout_s: float | None = None) -> CheckResult:
                                           previous_owner_request=str(problem.get("owner") or "")[:100],
                                           details={"detected_by": "canary read-record audit", "problem": problem,
                                                    "record": record}))
-    decoded = [p for p in accepted if p.final and p.final.get("type") == "done"
-               and (p.final.get("usage") or {}).get("completion_tokens", 0) >= 2]
+    decoded = [p for p in accepted if isinstance(p.final, Done) and p.final.usage
+               and p.final.usage.completion_tokens >= 2]
     missing = [p.request_id for p in decoded if p.request_id not in records]
     if missing:
         problems.append(f"no read record for decoded requests {missing}")
@@ -211,7 +221,7 @@ def check_marker(timeout_s: float | None = None) -> CheckResult:
                                          for rid, r in records.items()},
         "requests": [{"probe": p.name, "tenant": p.tenant, "request": p.request_id, "prompt_tokens": p.prompt_tokens,
                       "max_tokens": p.max_tokens, "expect": p.expect, "refusal": p.refusal,
-                      "final": (p.final or {}).get("type"), "finish_reason": (p.final or {}).get("finish_reason"),
+                      "final": p.final_fields().get("type"), "finish_reason": p.final_fields().get("finish_reason"),
                       "deltas": len(p.deltas)} for p in probes],
     }
     return CheckResult("marker", not problems, time.perf_counter() - started, details, incidents)

@@ -11,11 +11,14 @@ from incidents.canary import live
 from incidents.canary.prompts import TENANT_A, TENANT_B, canary_key, new_sentinel, prompt_tokens
 from incidents.canary.result import CheckResult, IncidentSpec
 from inference.allocator import LedgerError
+from inference.events import Delta, Done
+from inference.params import RequestParams, Sampling
 from kvserve.chat.models import ChatRequest
 from kvserve.chat.services import chat_request_create
 
 FILLER = "The canary reads a long and uneventful report about quarterly figures. "
 FILLER_REPEATS = 8  # about 120 prompt tokens: several full pages whatever the page size up to 64
+GREEDY = RequestParams(Sampling(temperature=0.0))
 
 
 def sentinel_prefix_messages(sentinel: str) -> list[dict]:
@@ -27,23 +30,25 @@ def sentinel_prefix_messages(sentinel: str) -> list[dict]:
 
 
 def _ask(key, messages: list[dict], deadline: float) -> dict:
-    """{"request": id, "final": the last event (done / error / timeout)} of one greedy 1-token request."""
-    req, _ = chat_request_create(api_key=key, messages=messages, max_tokens=1, params={"temperature": 0.0},
+    """{"request": id, "final": its final event (Done / Error; None: timed out)} of one greedy 1-token request."""
+    req, _ = chat_request_create(api_key=key, messages=messages, max_tokens=1, params=GREEDY,
                                  stream=True)
     final = None
     try:
         for event in live.outputs(int(deadline - time.monotonic()) + 1).read(
                 req.id, timeout_s=max(0.5, deadline - time.monotonic())):
-            if event["type"] != "delta":
+            if not isinstance(event, Delta):
                 final = event
     except TimeoutError:
-        final = {"type": "timeout"}
+        final = None
     return {"request": req.id, "final": final}
 
 
 def _cached(result: dict) -> int | None:
-    final = result["final"] or {}
-    return int((final.get("usage") or {}).get("cached_tokens", 0)) if final.get("type") == "done" else None
+    final = result["final"]
+    if not isinstance(final, Done):
+        return None
+    return final.usage.cached_tokens if final.usage else 0
 
 
 def check_prefix_scope(timeout_s: float | None = None) -> CheckResult:
@@ -60,7 +65,7 @@ def check_prefix_scope(timeout_s: float | None = None) -> CheckResult:
     problems, incidents = [], []
     hits = [_cached(r) for r in a_again]
     if _cached(a_first) is None or None in hits or _cached(b_same) is None:
-        problems.append(f"a request did not finish: {[r['final'] for r in (a_first, *a_again, b_same)]}")
+        problems.append(f"a request did not finish: {[r['final'] or 'timeout' for r in (a_first, *a_again, b_same)]}")
     vacuous = not any(h for h in hits if h)
     if vacuous:
         problems.append("vacuous: tenant A's repeated prompt reported no cached tokens, so a cross-tenant hit "

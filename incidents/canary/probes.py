@@ -23,6 +23,7 @@ from incidents.canary.prompts import TENANT_B, canary_key
 from incidents.canary.result import NOT_JUDGED, PASSED, SEVERITY, WRONG, CheckResult, IncidentSpec, outcome_worst
 from inference.handoff import KV_DTYPES, Handoff, Verdict, blob_metadata
 from inference.kv_cache import cdiv, page_checksums
+from inference.params import RequestParams, Sampling
 from inference.probes import CANARY_PROBE_PREFIX, ProbeRecords
 from inference.transport import RedisTransport
 from kvserve.chat.models import ChatRequest
@@ -87,7 +88,8 @@ def _send_handoff_probe(w, cases: list[dict], transport: RedisTransport, tenant)
     for c in cases:
         ChatRequest.objects.create(id=c["rid"], tenant=tenant, status=ChatRequest.Status.PREFILLING, model="canary-probe",
                                    max_tokens=4, prompt_tokens=len(c["prompt_ids"]), prompt_hash="canary-probe",
-                                   handoff_verdict=Verdict.OK.value, params={"temperature": 0.0, "seed": 0})
+                                   handoff_verdict=Verdict.OK.value,
+                                   params=RequestParams(Sampling(temperature=0.0, seed=0)).to_dict())
         for stored_id, blob in c["stored"]:
             h = c["handoff"] if stored_id == c["handoff"].request_id else replace(c["handoff"], request_id=stored_id)
             transport.send(h, blob)
@@ -99,7 +101,7 @@ def _events(outputs, rid: str, timeout_s: float) -> list[str]:
     types = []
     try:
         for e in outputs.read(rid, timeout_s=timeout_s):
-            types.append(e.get("type"))
+            types.append(e.type)
     except TimeoutError:
         pass
     return types

@@ -23,6 +23,7 @@ from kvserve.chat.services import chat_request_create
 from kvserve.chat.throttling import ApiKeyRateThrottle
 from kvserve.chat.tokenizer import tokenizer_get
 from kvserve.errors import ApiError
+from inference.params import RequestParams, Sampling
 from inference.sampling import MAX_TOP_LOGPROBS
 
 SSE = "text/event-stream"
@@ -32,16 +33,17 @@ GREEDY_BELOW = 1e-8  # float32 logits: any temperature below this samples the ar
 MIN_TOP_P = 1e-6  # keeps exactly the top token (its probability is >= 1/vocab > 1e-6), as any smaller top_p
 
 
-def sampling_params_normalize(data: dict) -> dict:
-    """The request's sampling parameters as stored and sent to the workers. A temperature or top_p so small
+def request_sampling(data: dict, logprobs: int | None) -> Sampling:
+    """The request's sampling choices as stored and sent to the workers. A temperature or top_p so small
     that float32 arithmetic would underflow (and the engine fail) is replaced by the value with the same
     outcome: greedy, or top-1."""
-    params = {k: data[k] for k in ("temperature", "top_p", "seed", "stop") if data.get(k) is not None}
-    if params.get("temperature") is not None and params["temperature"] < GREEDY_BELOW:
-        params["temperature"] = 0.0
-    if params.get("top_p") is not None and params["top_p"] < MIN_TOP_P:
-        params["top_p"] = MIN_TOP_P
-    return params
+    temperature, top_p = data.get("temperature"), data.get("top_p")
+    if temperature is not None and temperature < GREEDY_BELOW:
+        temperature = 0.0
+    if top_p is not None and top_p < MIN_TOP_P:
+        top_p = MIN_TOP_P
+    return Sampling(temperature=temperature, top_p=top_p, seed=data.get("seed"), stop=data.get("stop"),
+                    logprobs=logprobs)
 
 
 def db_connection_release() -> None:
@@ -233,11 +235,9 @@ class ChatCompletionsApi(ChatApiBase):
         data = serializer.validated_data
         model = model_get_by_id(data.get("model"))
         max_tokens = data.get("max_completion_tokens") or data.get("max_tokens") or settings.KVSERVE_DEFAULT_MAX_TOKENS
-        params = sampling_params_normalize(data)
-        if data.get("logprobs"):
-            params["logprobs"] = data.get("top_logprobs") or 0
-        if data.get("user"):
-            params["user"] = data["user"]  # narrows the prefix-cache scope (kvserve/chat/salt.py)
+        logprobs = (data.get("top_logprobs") or 0) if data.get("logprobs") else None
+        # `user` narrows the request's prefix-cache scope (kvserve/chat/salt.py)
+        params = RequestParams(request_sampling(data, logprobs), user=data.get("user") or None)
         messages = [{"role": m["role"], "content": m["content"]} for m in data["messages"]]
         stream = bool(data.get("stream"))
         try:
@@ -348,11 +348,8 @@ class CompletionsApi(ChatApiBase):
         serializer.is_valid(raise_exception=True)
         data = serializer.validated_data
         model = model_get_by_id(data.get("model"))
-        params = {**sampling_params_normalize(data), "endpoint": "completions"}
-        if data.get("logprobs") is not None:
-            params["logprobs"] = data["logprobs"]
-        if data.get("user"):
-            params["user"] = data["user"]  # narrows the prefix-cache scope (kvserve/chat/salt.py)
+        params = RequestParams(request_sampling(data, data.get("logprobs")), user=data.get("user") or None,
+                               endpoint="completions")
         stream = bool(data.get("stream"))
         req, _ = chat_request_create(api_key=request.auth, prompt=data["prompt"], params=params, stream=stream,
                                      max_tokens=data.get("max_tokens") or COMPLETIONS_DEFAULT_MAX_TOKENS)
@@ -436,7 +433,8 @@ class ChatRequestDetailApi(ChatApiBase):
     def represent(req) -> dict:
         return {
             "id": req.id, "object": "chat.request", "status": req.status, "model": req.model, "stream": req.stream,
-            "created": int(req.created_at.timestamp()), "max_tokens": req.max_tokens, "params": req.params,
+            "created": int(req.created_at.timestamp()), "max_tokens": req.max_tokens,
+            "params": req.request_params.flat(),
             "finish_reason": req.finish_reason or None,
             "usage": {"prompt_tokens": req.prompt_tokens, "completion_tokens": req.completion_tokens,
                       "total_tokens": req.prompt_tokens + req.completion_tokens},
@@ -467,4 +465,4 @@ class ChatRequestStreamApi(ChatApiBase):
             raise ApiError(f"The events of request '{req.id}' have expired.", status_code=410, code="stream_expired")
         db_connection_release()
         return sse_response(completion_chunks(req, include_usage=True, fingerprint=model_get()["fingerprint"],
-                                              shape=shape_for(req.params)))
+                                              shape=shape_for(req.request_params)))

@@ -1,5 +1,5 @@
 """Token log-probabilities as OpenAI returns them. Workers send, per generated token, `[token id, logprob,
-[[id, logprob], ...]]` on the output events (inference.worker.delta_event); here they become the chat shape
+[[id, logprob], ...]]` on the output events (inference.events.Delta); here they become the chat shape
 (`choices[].logprobs.content[]` of {token, logprob, bytes, top_logprobs}) or the legacy completions shape
 (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`). The end-of-sequence token is not part of the
 text, so it is not listed."""

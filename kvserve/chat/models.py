@@ -2,6 +2,7 @@
 text are kept only when the tenant opted in (Tenant.store_text); otherwise a hash and counts."""
 from django.db import models
 
+from inference.params import RequestParams
 from kvserve.tenants.models import ApiKey, Tenant
 
 
@@ -22,7 +23,7 @@ class ChatRequest(models.Model):
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.QUEUED, db_index=True)
     model = models.CharField(max_length=100)
     stream = models.BooleanField(default=False)
-    params = models.JSONField(default=dict)
+    params = models.JSONField(default=dict)  # RequestParams.to_dict(); read as `request_params`
     prompt_hash = models.CharField(max_length=64)
     prompt_tokens = models.PositiveIntegerField(default=0)
     completion_tokens = models.PositiveIntegerField(default=0)
@@ -54,6 +55,10 @@ class ChatRequest(models.Model):
     @property
     def is_final(self) -> bool:
         return self.status in self.FINAL
+
+    @property
+    def request_params(self) -> RequestParams:
+        return RequestParams.from_dict(self.params)
 
     def timings(self) -> dict:
         def ms(a, b):

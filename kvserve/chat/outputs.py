@@ -17,7 +17,8 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.http import StreamingHttpResponse
 
-from inference.streams import AsyncOutputStream, OutputStream, ReaderStopped, is_final
+from inference.events import Delta, Done, Error, Usage, is_final
+from inference.streams import AsyncOutputStream, OutputStream, ReaderStopped
 from kvserve.chat.models import ChatRequest
 from kvserve.chat.services import chat_request_cancel
 from kvserve.chat.shapes import CHAT
@@ -45,40 +46,37 @@ def _blocking_outputs(timeout_s: float) -> OutputStream:
     return OutputStream(client, prefix=settings.KVSERVE_LEDGER_PREFIX)
 
 
-def event_error(event: dict) -> ApiError:
-    """The ApiError for a worker's `error` event (or a timeout pseudo-event)."""
-    code = str(event.get("code") or "server_error")
-    message = str(event.get("message") or "The request failed on the server.")
+def event_error(event: Error) -> ApiError:
+    """The ApiError for a worker's error event (or the reader's own: timeout, backend_unavailable)."""
+    code = event.code or "server_error"
+    message = event.message or "The request failed on the server."
     if code in CLIENT_FAILURE_CODES:
         param, status = CLIENT_FAILURE_CODES[code]
         return ApiError(message, status_code=status, param=param, code=code)
     return ApiError(message, status_code=SERVER_FAILURE_STATUS, type="server_error", code=code)
 
 
-def _timeout_event(timeout_s: float) -> dict:
-    return {"type": "error", "code": "timeout",
-            "message": f"No output from the workers for {timeout_s}s; the request did not complete."}
+def _timeout_event(timeout_s: float) -> Error:
+    return Error("timeout", f"No output from the workers for {timeout_s}s; the request did not complete.")
 
 
-def _backend_event(exc: Exception) -> dict:
-    return {"type": "error", "code": "backend_unavailable",
-            "message": f"Lost the output stream: {exc.__class__.__name__}"}
+def _backend_event(exc: Exception) -> Error:
+    return Error("backend_unavailable", f"Lost the output stream: {exc.__class__.__name__}")
 
 
-def _give_up(req: ChatRequest, event: dict) -> None:
+def _give_up(req: ChatRequest, event: Error) -> None:
     """The waiting response stops here: the request ends with the event's code (unless it already ended)."""
     try:
-        chat_request_cancel(req.id, code=event["code"], message=event["message"])
+        chat_request_cancel(req.id, code=event.code, message=event.message)
     except Exception:
-        log.exception("could not end request %s (%s)", req.id, event["code"])
+        log.exception("could not end request %s (%s)", req.id, event.code)
 
 
-def _usage(usage: dict | None, req: ChatRequest) -> dict:
-    usage = usage or {}
-    prompt = int(usage.get("prompt_tokens", req.prompt_tokens))
-    completion = int(usage.get("completion_tokens", 0))
+def _usage(usage: Usage | None, req: ChatRequest) -> dict:
+    prompt = usage.prompt_tokens if usage else req.prompt_tokens
+    completion = usage.completion_tokens if usage else 0
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": int(usage.get("cached_tokens", 0))}}
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens if usage else 0}}
 
 
 def completion_wait(req: ChatRequest, *, fingerprint: str = "", gone=None, shape=CHAT) -> dict:
@@ -88,16 +86,16 @@ def completion_wait(req: ChatRequest, *, fingerprint: str = "", gone=None, shape
     text, done, logprobs = [], None, []
     try:
         for event in _blocking_outputs(timeout_s).read(req.id, timeout_s=timeout_s, stop=gone):
-            if event["type"] == "delta":
-                text.append(event.get("text", ""))
-                logprobs.extend(event.get("logprobs") or ())
-            elif event["type"] == "done":
+            if isinstance(event, Delta):
+                text.append(event.text)
+                logprobs.extend(event.logprobs or ())
+            elif isinstance(event, Done):
                 done = event
             else:
                 raise event_error(event)
     except ReaderStopped:
         code, message = CLIENT_GONE
-        _give_up(req, {"code": code, "message": message})
+        _give_up(req, Error(code, message))
         raise ApiError(message, status_code=499, code=code)  # nobody reads it: the client has gone
     except TimeoutError:
         _give_up(req, event := _timeout_event(timeout_s))
@@ -107,8 +105,7 @@ def completion_wait(req: ChatRequest, *, fingerprint: str = "", gone=None, shape
         raise event_error(event)
     base = {"id": req.id, "created": int(req.created_at.timestamp()), "model": req.model,
             "system_fingerprint": fingerprint}
-    return shape.answer(base, "".join(text), done.get("finish_reason") or "stop", logprobs,
-                        _usage(done.get("usage"), req))
+    return shape.answer(base, "".join(text), done.finish_reason or "stop", logprobs, _usage(done.usage, req))
 
 
 def _sse(payload: dict | str) -> bytes:
@@ -132,11 +129,11 @@ async def completion_chunks(req: ChatRequest, *, include_usage: bool, fingerprin
     def chunk(choice: dict) -> bytes:
         return _sse({**base, "choices": [choice]})
 
-    def error(event: dict) -> bytes:
+    def error(event: Error) -> bytes:
         exc = event_error(event)
         return _sse(error_body(exc.detail, type=exc.error_type, param=exc.param, code=exc.error_code))
 
-    async def give_up(event: dict) -> None:
+    async def give_up(event: Error) -> None:
         if ends_request:
             await asyncio.shield(sync_to_async(_give_up)(req, event))
 
@@ -151,14 +148,14 @@ async def completion_chunks(req: ChatRequest, *, include_usage: bool, fingerprin
                 ended = event is not None and is_final(event)
                 if event is None:
                     yield b": keep-alive\n\n"
-                elif event["type"] == "delta":
-                    if event.get("text") or event.get("logprobs"):
-                        yield chunk(shape.delta(event.get("text", ""), event.get("logprobs") or [], sent))
-                        sent += len(event.get("text", ""))
-                elif event["type"] == "done":
-                    yield chunk(shape.finish(event.get("finish_reason") or "stop"))
+                elif isinstance(event, Delta):
+                    if event.text or event.logprobs:
+                        yield chunk(shape.delta(event.text, event.logprobs or [], sent))
+                        sent += len(event.text)
+                elif isinstance(event, Done):
+                    yield chunk(shape.finish(event.finish_reason or "stop"))
                     if include_usage:
-                        yield _sse({**base, "choices": [], "usage": _usage(event.get("usage"), req)})
+                        yield _sse({**base, "choices": [], "usage": _usage(event.usage, req)})
                 else:
                     yield error(event)
         except TimeoutError:
@@ -173,7 +170,7 @@ async def completion_chunks(req: ChatRequest, *, include_usage: bool, fingerprin
     finally:
         if not ended:  # the client went away mid-stream (Django cancelled or closed us)
             code, message = CLIENT_GONE
-            await give_up({"code": code, "message": message})
+            await give_up(Error(code, message))
         await client.aclose()
 
 

@@ -18,7 +18,9 @@ from django.utils import timezone
 
 from inference.admission import admission_error
 from inference.cancel import Cancel
+from inference.events import Error
 from inference.handoff import HandoffRefused, Verdict
+from inference.params import RequestParams
 from inference.registry import PREFILL
 from inference.scheduler import RequestTooLarge
 from inference.sequence import SamplingParams
@@ -81,16 +83,13 @@ def _context_length_exceeded(limit: int, total: str, prompt: str, max_tokens: in
 
 
 def sampling_params(req: ChatRequest) -> SamplingParams:
-    p = req.params
-    return SamplingParams(max_tokens=req.max_tokens, temperature=p.get("temperature", 0.0), top_p=p.get("top_p", 1.0),
-                          top_k=p.get("top_k", 0), seed=p.get("seed"), stop=tuple(p.get("stop", ())),
-                          logprobs=p.get("logprobs"), tenant=str(req.tenant_id))
+    return req.request_params.sampling_params(req.max_tokens, tenant=str(req.tenant_id))
 
 
 # ---- web side --------------------------------------------------------------------------------
 
 def chat_request_create(*, api_key, messages: list[dict] | None = None, prompt: str | list[int] | None = None,
-                        max_tokens: int, params: dict, stream: bool = False) -> tuple[ChatRequest, list[int]]:
+                        max_tokens: int, params: RequestParams, stream: bool = False) -> tuple[ChatRequest, list[int]]:
     """Admission before reservation, for chat (`messages`, rendered with the model's chat template) and
     completions (`prompt`: text tokenized as it is, or token ids used as they are): an overlong request raises
     ApiError(400 context_length_exceeded) before any row is written, any page reserved or any task queued."""
@@ -124,15 +123,14 @@ def chat_request_create(*, api_key, messages: list[dict] | None = None, prompt: 
         raise _context_length_exceeded(limit, str(len(prompt_ids) + max_tokens), str(len(prompt_ids)), max_tokens,
                                        param)
     tenant = api_key.tenant
-    params = dict(params)
-    if params.get("seed") is None:
-        params["seed"] = uuid.uuid4().int & (2**63 - 1)  # fixed here so any worker samples the same stream
+    if params.sampling.seed is None:
+        params = params.with_seed(uuid.uuid4().int & (2**63 - 1))  # fixed here so any worker samples the same stream
     with transaction.atomic():  # the tenant's row lock orders its admissions: the check and the row are one step
         tenant = Tenant.objects.select_for_update().get(pk=tenant.pk)
         tenant_admission_enforce(tenant, len(prompt_ids))  # 429 over a fair share while others wait
         req = ChatRequest.objects.create(
             id=f"{id_prefix}-{uuid.uuid4().hex}", tenant=tenant, api_key=api_key, model=model_name, stream=stream,
-            params=params, max_tokens=max_tokens, prompt_tokens=len(prompt_ids),
+            params=params.to_dict(), max_tokens=max_tokens, prompt_tokens=len(prompt_ids),
             prompt_hash=prompt_hash(text),
             prompt_text=json.dumps(messages if messages is not None else prompt) if tenant.store_text else None,
         )
@@ -141,7 +139,7 @@ def chat_request_create(*, api_key, messages: list[dict] | None = None, prompt: 
             outputs_get().retain(req.id, settings.KVSERVE_STREAM_RETENTION_S if tenant.store_text
                                  else settings.KVSERVE_STREAM_REPLAY_S)
             queued_note(req.id, prompt_ids)  # sent again by the reaper if no worker ever claims it
-            queue = prefill_queue_for(tenant, params.get("user"), prompt_ids)  # prefix affinity
+            queue = prefill_queue_for(tenant, params.user, prompt_ids)  # prefix affinity
             prefill_send(req.id, prompt_ids, queue=queue)
         except Exception:  # broker down: the row must not sit queued forever
             chat_request_fail(req, code="backend_unavailable", message="the task queue is unreachable")
@@ -155,8 +153,9 @@ def chat_request_fail(req: ChatRequest, *, code: str, message: str, status: str 
                       claim: dict | None = None, **fields) -> bool:
     """Ends a request that has not ended yet, as failed (or rejected) with `code`: the first terminal state
     wins and this one is written only if none was (and, with `claim`, only while that delivery holds the
-    row). Publishes the error event and raises the request's cancel flag, so any worker still holding it
-    lets go. False when nothing was written."""
+    row). Publishes the error event (a stream keeps only its first final event: when the worker gave the request
+    up, its own came first) and raises the request's cancel flag, so any worker still holding it lets go. False
+    when nothing was written."""
     now = timezone.now()
     changed = ChatRequest.objects.filter(id=req.id, **(claim or {})).exclude(status__in=ChatRequest.FINAL).update(
         status=status, error_code=code, error_message=message, finished_at=now, **fields)
@@ -167,7 +166,7 @@ def chat_request_fail(req: ChatRequest, *, code: str, message: str, status: str 
         setattr(req, name, value)
     chat_metrics_failed(req, code)
     try:
-        outputs_get().publish(req.id, {"type": "error", "code": code, "message": message})
+        outputs_get().publish(req.id, Error(code, message))
         cancels_get().request(Cancel(req.id, code, message))
     except redis.RedisError:
         log.warning("request %s failed (%s) but Redis is unreachable: no error event or cancel flag", req.id, code)
@@ -221,7 +220,7 @@ def chat_request_prefill(request_id: str, prompt_ids: list[int]) -> None:
     mine = ChatRequest.objects.filter(id=req.id, **claim)
     try:
         handoff = runtime.prefill(req.id, prompt_ids, sampling_params(req), still_wanted=mine.exists,
-                                  salt=request_salt(req.tenant, req.params.get("user"), runtime.engine.config.faults))
+                                  salt=request_salt(req.tenant, req.request_params.user, runtime.engine.config.faults))
     except RequestFailed as exc:
         return chat_request_fail(req, code=exc.code, message=exc.message, claim=claim)
     except Exception as exc:

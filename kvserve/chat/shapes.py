@@ -3,6 +3,7 @@
 both, and asks its shape to render them."""
 from dataclasses import dataclass
 
+from inference.params import RequestParams
 from kvserve.chat.logprobs import TokenText, chat_logprobs, completion_logprobs
 from kvserve.chat.tokenizer import tokenizer_get
 
@@ -74,8 +75,9 @@ class TextShape:
 CHAT = ChatShape()
 
 
-def shape_for(params: dict):
-    """The shape a stored request was asked in (its params record the endpoint and logprobs choices)."""
-    if params.get("endpoint") == "completions":
-        return TextShape(logprobs=params.get("logprobs"))
-    return ChatShape(logprobs=params.get("logprobs") is not None, top_logprobs=params.get("logprobs") or 0)
+def shape_for(params: RequestParams):
+    """The shape a request was asked in (its params record the endpoint and logprobs choices)."""
+    logprobs = params.sampling.logprobs
+    if params.endpoint == "completions":
+        return TextShape(logprobs=logprobs)
+    return ChatShape(logprobs=logprobs is not None, top_logprobs=logprobs or 0)

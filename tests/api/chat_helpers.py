@@ -4,6 +4,7 @@ import json
 
 from asgiref.sync import async_to_sync
 
+from inference.events import Delta, Done, Usage
 from inference.streams import OutputStream
 from kvserve.dispatch import PREFILL
 
@@ -39,8 +40,7 @@ class FakeWorker:
     def __init__(self, redis, prefix):
         self.outputs = OutputStream(redis, prefix=prefix)
         self.calls = []
-        self.events = [{"type": "delta", "text": "The capital "}, {"type": "delta", "text": "is Paris."},
-                       {"type": "done", "finish_reason": "stop", "usage": {"prompt_tokens": 7, "completion_tokens": 5}}]
+        self.events = [Delta("The capital "), Delta("is Paris."), Done("stop", Usage(7, 5))]
 
     def send_task(self, name, args=None, queue=None, **_):
         assert name == PREFILL, f"only prefill is sent from the web side, not {name}"

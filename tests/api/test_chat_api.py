@@ -7,6 +7,8 @@ import json
 import pytest
 from django.db import transaction
 
+from inference.events import Delta, Error
+from inference.params import RequestParams, Sampling
 from kvserve.celery import app
 from kvserve.chat import services
 from kvserve.chat.models import ChatRequest
@@ -92,8 +94,10 @@ def test_content_parts_unknown_fields_and_defaults(client, chat_env, key):
     response = post(client, key, body)
     assert response.status_code == 200, response.content
     req = ChatRequest.objects.get()
-    assert req.max_tokens == 256 and req.params["seed"] is not None  # default max_tokens; a seed fixed at entry
-    assert "temperature" not in req.params  # the engine default: greedy
+    params = req.request_params
+    assert req.max_tokens == 256 and params.sampling.seed is not None  # default max_tokens; a seed fixed at entry
+    assert params.sampling.temperature is None  # the engine default: greedy
+    assert (params.user, params.sampling.logprobs, params.endpoint) == ("u-1", 0, "chat")
 
 
 def test_sampling_parameters_reach_the_request(client, chat_env, key):
@@ -102,7 +106,9 @@ def test_sampling_parameters_reach_the_request(client, chat_env, key):
     assert response.status_code == 200, response.content
     req = ChatRequest.objects.get()
     assert req.max_tokens == 9
-    assert req.params == {"temperature": 0.7, "top_p": 0.9, "seed": -5, "stop": ["\n"]}
+    assert req.request_params == RequestParams(Sampling(temperature=0.7, top_p=0.9, seed=-5, stop=("\n",)))
+    assert req.params == {"v": 1, "sampling": {"temperature": 0.7, "top_p": 0.9, "seed": -5, "stop": ["\n"]},
+                          "endpoint": "chat"}  # versioned, who asked apart from how to sample
 
 
 def test_max_completion_tokens_wins_over_max_tokens(client, chat_env, key):
@@ -122,7 +128,8 @@ def test_extreme_sampling_values_are_normalized_to_what_the_engine_can_sample(cl
     response = post(client, key, {"messages": MESSAGES, "temperature": temperature, "top_p": top_p, "seed": 1})
     assert response.status_code == 200, response.content
     req = ChatRequest.objects.get()
-    assert req.params["temperature"] in (0.0, temperature) and req.params["top_p"] >= 1e-6
+    sampling = req.request_params.sampling
+    assert sampling.temperature in (0.0, temperature) and sampling.top_p >= 1e-6
     logits = torch.randn(1, 49152) * 20
     assert sample(logits, [sampling_params(req)], [0]) == [int(logits.argmax())]
 
@@ -152,14 +159,14 @@ def test_stream_without_usage_has_no_usage_chunk(client, chat_env, key):
 
 @pytest.mark.parametrize("code", ["handoff_refused", "kv_isolation_violation", "worker_lost", "engine_error"])
 def test_worker_failure_is_503_never_200(client, chat_env, key, code):
-    chat_env.events = [{"type": "delta", "text": "leaked?"}, {"type": "error", "code": code, "message": "failed closed"}]
+    chat_env.events = [Delta("leaked?"), Error(code, "failed closed")]
     response = post(client, key, {"messages": MESSAGES})
     error = assert_error(response, 503, code=code)
     assert error["type"] == "server_error" and b"leaked?" not in response.content
 
 
 def test_worker_failure_in_stream_is_an_error_event_then_done(client, chat_env, key):
-    chat_env.events = [{"type": "error", "code": "handoff_refused", "message": "decode refused the handoff"}]
+    chat_env.events = [Error("handoff_refused", "decode refused the handoff")]
     events = sse_events(streaming_body(post(client, key, {"messages": MESSAGES, "stream": True})))
     assert events[-1] == "[DONE]"
     assert events[-2]["error"]["code"] == "handoff_refused" and events[-2]["error"]["type"] == "server_error"
@@ -167,7 +174,7 @@ def test_worker_failure_in_stream_is_an_error_event_then_done(client, chat_env, 
 
 
 def test_worker_side_admission_rejection_is_400(client, chat_env, key):
-    chat_env.events = [{"type": "error", "code": "context_length_exceeded", "message": "too long for this worker"}]
+    chat_env.events = [Error("context_length_exceeded", "too long for this worker")]
     assert_error(post(client, key, {"messages": MESSAGES}), 400, code="context_length_exceeded", param="messages")
 
 
@@ -261,7 +268,7 @@ def test_stream_retention_follows_store_text(client, chat_env, registry_redis, s
     api_key, raw = api_key_create("retained" if store_text else "private")
     Tenant.objects.filter(pk=api_key.tenant_id).update(store_text=store_text)
     done = post(client, raw, OK).json()["id"]  # the fake worker publishes deltas and done, as decode does
-    chat_env.events = [{"type": "delta", "text": "partial"}]
+    chat_env.events = [Delta("partial")]
     post(client, raw, {**OK, "stream": True})  # a stream: answered before the request ends
     failed = ChatRequest.objects.get(id=chat_env.calls[-1][0])
     services.chat_request_fail(failed, code="worker_lost", message="gone")  # a final event from the web side
@@ -493,7 +500,7 @@ def test_detail_of_own_request(client, two_tenants):
     assert body["usage"]["completion_tokens"] == 5 and body["usage"]["prompt_tokens"] == req.prompt_tokens
     assert body["verdicts"] == {"handoff": "OK", "decode": "accepted"} and body["error"] is None
     assert set(body["timings"]) == {"queued_ms", "prefill_ms", "transfer_ms", "decode_ms", "total_ms"}
-    assert body["finish_reason"] == "stop" and body["params"]["seed"] == req.params["seed"]
+    assert body["finish_reason"] == "stop" and body["params"]["seed"] == req.request_params.sampling.seed
 
 
 def test_detail_shows_the_error(client, two_tenants):

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from inference.events import Delta, Done, Usage
 from kvserve.chat.models import ChatRequest
 from kvserve.chat.tokenizer import tokenizer_get
 from tests.api.chat_helpers import sse_events, streaming_body
@@ -34,7 +35,7 @@ def test_a_text_prompt_is_used_as_given_and_answered_in_the_legacy_shape(client,
                              "prompt_tokens_details": {"cached_tokens": 0}}
     ((_, prompt_ids),) = chat_env.calls
     assert prompt_ids == ids("The capital of France is")  # no chat template around it
-    assert req.max_tokens == 5 and req.params["endpoint"] == "completions"
+    assert req.max_tokens == 5 and req.request_params.endpoint == "completions"
 
 
 @pytest.mark.parametrize("form", ["ids", "list_of_text", "list_of_ids"])
@@ -110,17 +111,17 @@ def logprob_events():
     tk = tokenizer_get()[0]
     paris, dot, alt = tk.encode(" Paris")[0], tk.encode(".")[0], tk.encode(" Lyon")[0]
     eos = tk.eos_ids[0]
-    return [{"type": "delta", "text": " Paris", "logprobs": [[paris, -0.25, [[paris, -0.25], [alt, -2.5]]]]},
-            {"type": "delta", "text": ".", "logprobs": [[dot, -0.5, [[dot, -0.5], [paris, -3.0]]]]},
-            {"type": "delta", "text": "", "logprobs": [[eos, -0.1, [[eos, -0.1], [dot, -4.0]]]]},
-            {"type": "done", "finish_reason": "stop", "usage": {"prompt_tokens": 7, "completion_tokens": 3}}]
+    return [Delta(" Paris", [[paris, -0.25, [[paris, -0.25], [alt, -2.5]]]]),
+            Delta(".", [[dot, -0.5, [[dot, -0.5], [paris, -3.0]]]]),
+            Delta("", [[eos, -0.1, [[eos, -0.1], [dot, -4.0]]]]),
+            Done("stop", Usage(7, 3))]
 
 
 def test_chat_logprobs_in_openai_shape(client, chat_env, key):
     chat_env.events = logprob_events()
     body = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 1}
     choice = post(client, key, body, url="/v1/chat/completions").json()["choices"][0]
-    assert ChatRequest.objects.get().params["logprobs"] == 1  # what the engine is asked for
+    assert ChatRequest.objects.get().request_params.sampling.logprobs == 1  # what the engine is asked for
     assert choice["message"]["content"] == " Paris."
     assert choice["logprobs"] == {"refusal": None, "content": [  # the end-of-sequence token is not in the text
         {"token": " Paris", "logprob": -0.25, "bytes": list(b" Paris"),

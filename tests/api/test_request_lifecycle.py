@@ -8,6 +8,7 @@ import pytest
 from django.utils import timezone
 
 from inference.cancel import Cancellations
+from inference.events import Error, event_decode, is_final
 from inference.ledger import RedisLedger
 from inference.streams import OutputStream
 from kvserve.chat.models import ChatRequest
@@ -34,7 +35,7 @@ def test_the_first_terminal_state_wins_and_raises_the_cancel_flag(tenant, regist
     (cancel,) = Cancellations(registry_redis, registry_prefix).pending([req.id])
     assert cancel.code == "client_disconnected"
     events = list(OutputStream(registry_redis, registry_prefix).read(req.id, timeout_s=2))
-    assert [e["code"] for e in events] == ["client_disconnected"]
+    assert [e.code for e in events] == ["client_disconnected"]
 
 
 def test_a_finished_request_is_never_failed_afterwards(tenant, registry_redis, registry_prefix):
@@ -127,4 +128,25 @@ def test_a_decode_that_can_never_fit_ends_its_request_with_an_error_event(tenant
     stored = ChatRequest.objects.get(id=req.id)
     assert (stored.status, stored.error_code) == ("failed", "context_length_exceeded")
     (event,) = OutputStream(registry_redis, registry_prefix).read(req.id, timeout_s=5)
-    assert event["code"] == "context_length_exceeded" and decode.ledger.num_free() == 8
+    assert event.code == "context_length_exceeded" and decode.ledger.num_free() == 8
+
+
+def test_a_request_its_worker_fails_gets_exactly_one_terminal_event(tenant, worker_pair, registry_redis,
+                                                                     registry_prefix, monkeypatch):
+    """The worker publishes its error event as it gives the request up (WorkerRuntime._fail), then the service
+    recording the failure (chat_request_fail) publishes one too: the stream keeps the first, and only it."""
+    from inference.sequence import SamplingParams
+    from kvserve.chat.services import chat_request_decode
+
+    prefill, decode = worker_pair
+    prompt = list(range(10, 50))
+    req = chat_request(tenant, status="prefilling", handoff_verdict="OK", max_tokens=20, prompt_tokens=40)
+    handoff = prefill.prefill(req.id, prompt, SamplingParams(max_tokens=20, temperature=0.0))
+    monkeypatch.setattr(decode.engine, "step", lambda: (_ for _ in ()).throw(RuntimeError("injected step failure")))
+    chat_request_decode(req.id, prompt, handoff.to_dict())
+    stored = ChatRequest.objects.get(id=req.id)
+    assert (stored.status, stored.error_code) == ("failed", "engine_error")
+    stream = OutputStream(registry_redis, registry_prefix)
+    events = [event_decode(fields[b"e"]) for _, fields in registry_redis.xrange(stream.key(req.id))]
+    assert [e for e in events if is_final(e)] == [Error("engine_error", "the engine failed: RuntimeError: "
+                                                                        "injected step failure")]

@@ -6,6 +6,7 @@ import datetime as dt
 from bench.chaos import outcome, row_for, stream_matches_row
 from bench.chaos_clients import Call, sightings
 from bench.chaos_stack import parse_time, pool_report, worker_pid
+from inference.events import Delta, Done, Error
 from inference.ledger import RedisLedger
 
 A, B, C = "K7Q-B2X-M9T", "Z1Z-Y2Y-X3X", "P4P-Q5Q-R6R"
@@ -70,13 +71,12 @@ def test_worker_ids_name_their_process():
 
 def test_a_request_ran_once_when_its_stream_has_one_final_event_and_carries_what_its_row_stored():
     done = {"status": "done", "completion_text": "Once upon"}
-    once = [{"type": "delta", "text": "Once"}, {"type": "delta", "text": " upon"}, {"type": "done"}]
+    once = [Delta("Once"), Delta(" upon"), Done()]
     assert stream_matches_row(once, done)
-    assert not stream_matches_row(once + [{"type": "error", "code": "engine_error"}], done)  # two final events
-    interleaved = [{"type": "delta", "text": "Once"}, {"type": "delta", "text": "Once"}, {"type": "delta", "text": " upon"},
-                   {"type": "done"}]
+    assert not stream_matches_row(once + [Error("engine_error", "")], done)  # two final events
+    interleaved = [Delta("Once"), Delta("Once"), Delta(" upon"), Done()]
     assert not stream_matches_row(interleaved, done)
-    assert stream_matches_row([{"type": "error", "code": "lease_lost"}], {"status": "failed", "completion_text": None})
+    assert stream_matches_row([Error("lease_lost", "")], {"status": "failed", "completion_text": None})
     assert not stream_matches_row(once, None)
 
 

@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 
+from inference.events import Done, Error, event_decode
 from inference.ledger import RedisLedger
 from inference.streams import OutputStream
 from tests.e2e.stack import OwnRedis, Stack
@@ -188,13 +189,14 @@ def test_the_web_process_dying_mid_stream_lets_the_request_finish_and_be_replaye
 SHELL_TWICE = """
 import json
 from django.db import transaction
+from inference.params import RequestParams, Sampling
 from kvserve.chat.services import chat_request_create
 from kvserve.chat.tasks import prefill
 from kvserve.tenants.services import api_key_create
 key, _ = api_key_create("twice")
 with transaction.atomic():
     req, ids = chat_request_create(api_key=key, messages=[{"role": "user", "content": "Hello twice"}],
-                                   max_tokens=60, params={"temperature": 0.0})
+                                   max_tokens=60, params=RequestParams(Sampling(temperature=0.0)))
 prefill.delay(req.id, ids)  # the broker delivers the same task a second time
 print(json.dumps({"id": req.id}))
 """
@@ -205,7 +207,7 @@ def test_a_task_delivered_twice_runs_once(fstack):
     r = ended(fstack, rid)
     assert (r["status"], r["completion_tokens"], r["prefill_deliveries"], r["decode_deliveries"]) == ("done", 60, 1, 1)
     events = list(OutputStream(fstack.redis, fstack.prefix).read(rid, timeout_s=5))
-    assert [e["type"] for e in events].count("done") == 1 and not [e for e in events if e["type"] == "error"]
+    assert [e.type for e in events].count("done") == 1 and not [e for e in events if isinstance(e, Error)]
     time.sleep(1)
     stream = OutputStream(fstack.redis, fstack.prefix)
     assert len(fstack.redis.xrange(stream.key(rid))) == len(events)  # nothing ran a second time
@@ -245,8 +247,9 @@ def test_a_decode_worker_paused_until_the_reaper_gives_up_drops_the_request_and_
     assert (r["status"], r["error_code"]) == ("failed", "worker_lost")
     ledger = RedisLedger(fstack.redis, decoder.worker_id, prefix=fstack.prefix)
     wait_for(lambda: not ledger.pages_of(s.id), 30, "the resumed worker to drop the request")
-    events = [json.loads(f[b"e"]) for _, f in fstack.redis.xrange(OutputStream(fstack.redis, fstack.prefix).key(s.id))]
-    assert "done" not in [e["type"] for e in events]  # dropped at once (its cancel flag), not run to its end
+    stream = OutputStream(fstack.redis, fstack.prefix)
+    events = [event_decode(f[b"e"]) for _, f in fstack.redis.xrange(stream.key(s.id))]
+    assert not any(isinstance(e, Done) for e in events)  # dropped at once (its cancel flag), not run to its end
     again = Stream(fstack, max_tokens=20).rest()
     again.close()
     print(f"\npaused decode worker serving again {time.monotonic() - resumed:.1f}s after SIGCONT")
@@ -305,7 +308,7 @@ def test_a_failed_step_fails_its_request_with_an_error_and_the_worker_serves_on(
     r = ended(fstack, rid)
     assert (r["status"], r["error_code"]) == ("failed", "engine_error")
     (event,) = OutputStream(fstack.redis, fstack.prefix).read(rid, timeout_s=5)
-    assert event["code"] == "engine_error" and "IndexError" in event["message"]
+    assert event.code == "engine_error" and "IndexError" in event.message
     again = Stream(fstack, max_tokens=20).rest()
     again.close()
     assert again.finish == "length"

@@ -3,18 +3,20 @@ import json
 import signal
 import time
 
+from inference.events import Delta, Error
 from inference.ledger import RedisLedger
 from inference.streams import OutputStream
 
 SHELL_SUBMIT = """
 import json
 from django.db import transaction
+from inference.params import RequestParams, Sampling
 from kvserve.chat.services import chat_request_create
 from kvserve.tenants.services import api_key_create
 key, _ = api_key_create("e2e")
 with transaction.atomic():
     req, ids = chat_request_create(api_key=key, messages=[{"role": "user", "content": "Tell me a long story about a dragon."}],
-                                   max_tokens=400, params={"temperature": 0.0})
+                                   max_tokens=400, params=RequestParams(Sampling(temperature=0.0)))
 print(json.dumps({"id": req.id}))
 """
 
@@ -78,7 +80,7 @@ def test_bad_handoffs_on_the_decode_queue_fail_closed(own_stack):
     outputs = OutputStream(stack.redis, stack.prefix)
     for rid in out["rows"]:
         (event,) = list(outputs.read(rid, timeout_s=5))
-        assert event["type"] == "error" and event["code"] == "handoff_refused"
+        assert event == Error("handoff_refused", event.message)
     (w,) = stack.registry().live_workers("decode")
     assert RedisLedger(stack.redis, w.worker_id, prefix=stack.prefix).num_free() == w.num_pages  # nothing taken
 
@@ -89,7 +91,7 @@ def test_sigkill_of_the_decode_worker_fails_the_request_and_the_reaper_reclaims_
     rid = last_json(stack.manage("shell", "-c", SHELL_SUBMIT))["id"]
     outputs = OutputStream(stack.redis, stack.prefix)
     first = next(outputs.read(rid, timeout_s=60))
-    assert first["type"] == "delta"  # decoding is under way
+    assert isinstance(first, Delta)  # decoding is under way
     ledger = RedisLedger(stack.redis, decoder.worker_id, prefix=stack.prefix)
     assert ledger.pages_of(rid)  # the request holds decode pages right now
     stack.stop("decode", sig=signal.SIGKILL)
@@ -101,7 +103,7 @@ def test_sigkill_of_the_decode_worker_fails_the_request_and_the_reaper_reclaims_
     assert [p.get("retired", False) for p in pools] == [False, False, False, True]  # after 3 silent rounds
     assert pools[3]["integrity"] == "ok" and not any(p["pool"] == decoder.worker_id for p in rounds[4]["pools"])
     events = list(outputs.read(rid, timeout_s=5))
-    assert events[-1]["type"] == "error" and events[-1]["code"] == "worker_lost"
+    assert isinstance(events[-1], Error) and events[-1].code == "worker_lost"
     status = stack.manage("shell", "-c", f"from kvserve.chat.models import ChatRequest as C; print(C.objects.get(id='{rid}').status)")
     assert status.strip().splitlines()[-1] == "failed"
 

@@ -9,6 +9,7 @@ from incidents.canary.marker import check_marker
 from incidents.canary.prompts import TENANT_A, TENANT_B
 from incidents.canary.suite import canary_run
 from incidents.models import Incident
+from inference.events import Done, Usage
 from inference.streams import OutputStream
 from kvserve.chat.models import ChatRequest
 from tests.incidents.helpers import live_worker
@@ -32,7 +33,7 @@ def fake_workers(monkeypatch, redis, prefix, *, echo=True, leak_into=None, bad_r
             text = f"The secret code is {p.sentinel if echo else 'something else'}."
             if p.name == leak_into:
                 text += f" Earlier: {a_sentinel[:7]}"  # two of A's three groups are enough
-            p.deltas, p.final = [text[:10], text[10:]], {"type": "done", "usage": {"completion_tokens": 12}}
+            p.deltas, p.final = [text[:10], text[10:]], Done(usage=Usage(p.prompt_tokens, 12))
             ChatRequest.objects.filter(id=p.request_id).update(status="done", decode_worker="decode-1",
                                                                prefill_worker="prefill-1")
             record = {"request": p.request_id, "pool": "decode-1", "pages": [10 + i], "epochs": [5 + i],

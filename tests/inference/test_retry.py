@@ -9,6 +9,8 @@ import pytest
 import redis
 
 from inference.allocator import LedgerError
+
+from inference.events import Delta, Done
 from inference.ledger import REPEAT, RedisLedger
 from inference.ledger.scripts import SCRIPTS
 from inference.streams import OutputStream
@@ -50,12 +52,12 @@ def test_a_stream_read_goes_on_from_the_last_event_when_its_connection_is_killed
     name = f"kvstest-reader-{uuid.uuid4().hex[:8]}"
     reader = OutputStream(redis.Redis.from_url(TEST_REDIS_URL, client_name=name), prefix=ledger_prefix)
     writer = OutputStream(redis_client, prefix=ledger_prefix)
-    writer.publish("r", {"type": "delta", "text": "a"})
-    t, out = in_thread(lambda: [e.get("text") for e in reader.read("r", timeout_s=10)])
+    writer.publish("r", Delta("a"))
+    t, out = in_thread(lambda: list(reader.read("r", timeout_s=10)))
     kill(redis_client, name, "xread")  # blocked waiting for the second event
-    writer.publish_many([("r", {"type": "delta", "text": "b"}), ("r", {"type": "done"})])
+    writer.publish_many([("r", Delta("b")), ("r", Done())])
     t.join(10)
-    assert out == {"value": ["a", "b", None]}
+    assert out == {"value": [Delta("a"), Delta("b"), Done()]}
 
 
 def test_an_async_stream_read_goes_on_across_killed_connections_with_its_keep_alives(redis_client, ledger_prefix):
@@ -69,18 +71,18 @@ def test_an_async_stream_read_goes_on_across_killed_connections_with_its_keep_al
 
     name = f"kvstest-areader-{uuid.uuid4().hex[:8]}"
     writer = OutputStream(redis_client, prefix=ledger_prefix)
-    writer.publish("r", {"type": "delta", "text": "a"})
+    writer.publish("r", Delta("a"))
 
     def kill_twice_then_finish():
         kill(redis_client, name, "xread")
         time.sleep(0.3)
         kill(redis_client, name, "xread")
-        writer.publish_many([("r", {"type": "delta", "text": "b"}), ("r", {"type": "done"})])
+        writer.publish_many([("r", Delta("b")), ("r", Done())])
 
     async def read():
         client = aioredis.Redis.from_url(TEST_REDIS_URL, client_name=name)
         try:
-            return [(e["type"], e.get("text")) if e else "keep-alive" async for e in AsyncOutputStream(
+            return [(e.type, getattr(e, "text", None)) if e else "keep-alive" async for e in AsyncOutputStream(
                 client, ledger_prefix).read("r", timeout_s=10, idle_s=0.2)]
         finally:
             await client.aclose()
@@ -263,9 +265,8 @@ def test_a_publish_whose_reply_was_lost_appends_nothing_twice(ledger_prefix):
     client.lose, client.drop, client.lost = set(), set(), 0
     out = OutputStream(client, prefix=ledger_prefix)
     client.lose.add(out._publish.sha)
-    out.publish_many([("r", {"type": "delta", "text": "a"}), ("r", {"type": "delta", "text": "b"})], batch="b1")
+    out.publish_many([("r", Delta("a")), ("r", Delta("b"))], batch="b1")
     assert client.lost == 1
     # the worker's outbox, not answered yet, is the same batch with one more event at its tail
-    out.publish_many([("r", {"type": "delta", "text": "a"}), ("r", {"type": "delta", "text": "b"}),
-                      ("r", {"type": "done"})], batch="b1")
-    assert [e.get("text") for e in out.read("r", timeout_s=5)] == ["a", "b", None]
+    out.publish_many([("r", Delta("a")), ("r", Delta("b")), ("r", Done())], batch="b1")
+    assert list(out.read("r", timeout_s=5)) == [Delta("a"), Delta("b"), Done()]

@@ -9,6 +9,7 @@ import torch
 
 from inference.cancel import Cancel
 from inference.engine import EngineConfig
+from inference.events import Delta, Done, Error
 from inference.handoff import HandoffRefused, Verdict, handoff_accept
 from inference.ledger import RedisLedger
 from inference.sequence import SeqStatus
@@ -47,7 +48,7 @@ def test_prefill_then_decode_across_runtimes_matches_the_engine_alone(runtimes, 
     assert decode.ledger.num_free() == 64
     decode.ledger.check_integrity()
     events = list(decode.outputs.read("r1", timeout_s=5))
-    assert events[-1]["type"] == "done" and events[-1]["usage"]["completion_tokens"] == 10
+    assert isinstance(events[-1], Done) and events[-1].usage.completion_tokens == 10
     (record,) = decode.outputs.read_records({"r1"})
     assert set(record["owners"]) == {"r1"} and record["page_epochs"] == record["epochs"]
 
@@ -206,8 +207,7 @@ def test_a_failed_step_fails_its_requests_with_an_error_event_and_the_loop_serve
     with pytest.raises(RequestFailed) as err:
         rt.prefill("boom", list(range(10, 40)), greedy(4))
     assert err.value.code == "engine_error" and "injected step failure" in err.value.message
-    assert final_event(rt, "boom") == {"type": "error", "code": "engine_error",
-                                       "message": "the engine failed: RuntimeError: injected step failure"}
+    assert final_event(rt, "boom") == Error("engine_error", "the engine failed: RuntimeError: injected step failure")
     assert rt.prefill("after", list(range(10, 40)), greedy(4)).verdict is Verdict.OK  # the loop goes on
     assert rt.serving and not seen["fatal"] and rt.ledger.num_free() == 64
     rt.ledger.check_integrity()
@@ -274,7 +274,7 @@ def test_a_lost_lease_fails_the_request_lease_lost_scrubbed_and_no_violation(fau
         decode.beat()
     thread.join(30)
     assert isinstance(box["error"], RequestFailed) and box["error"].code == "lease_lost"
-    assert final_event(decode, "r1")["code"] == "lease_lost"
+    assert final_event(decode, "r1").code == "lease_lost"
     assert seen["lease_lost"] == ["r1"] and not seen["violations"]
     assert not decode.registry.is_quarantined(decode.worker_id)
     wait_until(lambda: decode.ledger.num_free() == 64)
@@ -292,7 +292,7 @@ def test_a_lease_the_ledger_no_longer_has_fails_its_request_on_the_next_beat(fau
         decode.beat()  # renewal reports r8 missing
     thread.join(30)
     assert box["error"].code == "lease_lost" and seen["lease_lost"] == ["r8"] and not seen["violations"]
-    deltas = [e for e in decode.outputs.read("r8", timeout_s=5) if e["type"] == "delta"]
+    deltas = [e for e in decode.outputs.read("r8", timeout_s=5) if isinstance(e, Delta)]
     assert len(deltas) < 50  # stopped at that beat, not when it finished 600 tokens later
     wait_until(lambda: decode.ledger.num_free() == 64)  # what the ledger still listed was released
     assert float(decode.engine.pool.data[pages].abs().sum()) == 0.0
@@ -335,7 +335,7 @@ def test_a_vanished_pool_fails_its_requests_scrubs_everything_and_serves_a_new_g
         redis_client.delete(decode.registry.key("info", decode.worker_id))
         decode.beat()
     thread.join(30)
-    assert box["error"].code == "pool_lost" and final_event(decode, "r4")["code"] == "pool_lost"
+    assert box["error"].code == "pool_lost" and final_event(decode, "r4").code == "pool_lost"
     wait_until(lambda: decode.serving)
     assert float(decode.engine.pool.data.abs().sum()) == 0.0  # the whole tensor
     assert decode.ledger.generation == 1 and [w.worker_id for w in decode.registry.live_workers("decode")] == [
@@ -382,7 +382,7 @@ def test_a_violation_fails_closed_and_quarantines_even_when_recording_the_incide
         bystander.join(60)
         assert box["error"].code == "kv_isolation_violation"
         assert seen["seq"].status is SeqStatus.FINISHED  # the recorder's failure touched no other request
-        assert final_event(decode, "victim")["code"] == "kv_isolation_violation"
+        assert final_event(decode, "victim").code == "kv_isolation_violation"
         assert decode.registry.is_quarantined(decode.worker_id) and decode.serving
     finally:
         decode.stop()
@@ -404,7 +404,7 @@ def test_a_duplicate_delivery_is_refused_and_the_original_runs_on(fault_runtimes
     assert err.value.code == "duplicate_delivery"
     seq = original.future.result(60)  # undisturbed
     assert seq.status is SeqStatus.FINISHED and len(seq.output_ids) == 300
-    assert [e["type"] for e in decode.outputs.read("r6", timeout_s=5)].count("error") == 0
+    assert not any(isinstance(e, Error) for e in decode.outputs.read("r6", timeout_s=5))
 
 
 def test_a_cancel_flag_aborts_the_running_request_and_frees_its_pages(fault_runtimes):
@@ -489,7 +489,7 @@ def test_the_foreign_page_fault_is_stopped_by_the_real_guard_once_and_touches_no
         with pytest.raises(RequestFailed) as err:
             decode.decode("first", prompt, greedy(8), prefill.prefill("first", prompt, greedy(8)).to_dict())
         assert err.value.code == "kv_isolation_violation"
-        assert [e["type"] for e in decode.outputs.read("first", timeout_s=5)] == ["error"]  # no content event
+        assert [e.type for e in decode.outputs.read("first", timeout_s=5)] == ["error"]  # no content event
         (v,) = seen
         assert v.kind == "foreign_read" and v.reader == "first" and v.page_owner.startswith("fault-bystander-")
         assert v.reader_epoch is not None and v.page_epoch is not None and v.reader_epoch != v.page_epoch
@@ -547,8 +547,8 @@ def test_a_decode_pool_short_of_pages_preempts_and_recomputes_from_the_sequences
         decode.ledger.check_integrity()
         for rid in prompts:
             events = list(decode.outputs.read(rid, timeout_s=5))
-            assert events[-1]["type"] == "done" and events[-1]["usage"]["completion_tokens"] == 50
-            assert "".join(e.get("text", "") for e in events) == box[rid].text  # no text twice after a recompute
+            assert isinstance(events[-1], Done) and events[-1].usage.completion_tokens == 50
+            assert "".join(e.text for e in events if isinstance(e, Delta)) == box[rid].text  # no text twice after a recompute
     finally:
         prefill.stop()
         decode.stop()
@@ -568,7 +568,7 @@ def test_a_grow_refused_for_a_reaped_lease_fails_the_request_lease_lost_without_
             RedisLedger(redis_client, decode.worker_id, prefix=decode.options.prefix).reap_expired(now_ms=10**15)
         thread.join(30)  # its next page grant is refused: failed then, not at a beat
         assert box["error"].code == "lease_lost" and seen == ["r9"]
-        assert final_event(decode, "r9")["code"] == "lease_lost"
+        assert final_event(decode, "r9").code == "lease_lost"
         assert not decode.engine.has_request("r9")
     finally:
         for rt in made:

@@ -1,0 +1,94 @@
+"""What a request asked for, from the API to the engine: its sampling choices (Sampling), kept apart from who
+asked and how its answer is shaped (`user`, `endpoint`). The web layer builds a RequestParams from the validated
+body and stores it with the request, versioned (`v`); the workers read it back and sample with
+`sampling_params()`. A stored form without `v` (the flat object requests had before) reads as version 1; an
+unknown version is refused (ParamsFormatError)."""
+from dataclasses import asdict, dataclass, field, replace
+
+from inference.sequence import SamplingParams
+
+VERSION = 1
+ENDPOINTS = ("chat", "completions")
+_IDENTITY = ("user", "endpoint")  # the legacy flat form's keys that are not sampling choices
+
+
+class ParamsFormatError(ValueError):
+    """A stored RequestParams this process cannot read."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The sampling choices a request set; None leaves the engine's default."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None  # fixed at admission, so that any worker samples the same stream
+    stop: tuple[str, ...] | None = None
+    logprobs: int | None = None  # each token's log-probability and this many alternatives; None: not asked
+
+    def __post_init__(self):
+        if self.stop is not None:
+            object.__setattr__(self, "stop", tuple(self.stop))
+
+
+@dataclass(frozen=True)
+class RequestParams:
+    sampling: Sampling = field(default_factory=Sampling)
+    user: str | None = None  # the request's `user` field: narrows its prefix-cache scope (kvserve/chat/salt.py)
+    endpoint: str = "chat"  # whose shape its answer takes: "chat" (chat.completion) or "completions"
+
+    def __post_init__(self):
+        if self.endpoint not in ENDPOINTS:
+            raise ValueError(f"endpoint {self.endpoint!r} is not one of {ENDPOINTS}")
+
+    def with_seed(self, seed: int) -> "RequestParams":
+        return replace(self, sampling=replace(self.sampling, seed=seed))
+
+    def sampling_params(self, max_tokens: int, tenant: str) -> SamplingParams:
+        """The engine's parameters for this request (`tenant`: whom the engine's waiting queue serves in turn)."""
+        s = self.sampling
+        return SamplingParams(max_tokens=max_tokens, temperature=0.0 if s.temperature is None else s.temperature,
+                              top_p=1.0 if s.top_p is None else s.top_p, seed=s.seed, stop=s.stop or (),
+                              logprobs=s.logprobs, tenant=tenant)
+
+    def to_dict(self) -> dict:
+        """The stored form: `{"v": 1, "sampling": {the choices set}, "user"?, "endpoint"}`."""
+        out = {"v": VERSION, "sampling": _set(self.sampling), "endpoint": self.endpoint}
+        if self.user is not None:
+            out["user"] = self.user
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "RequestParams":
+        """The RequestParams of a stored form (versioned, or the legacy flat one); ParamsFormatError otherwise."""
+        if not isinstance(data, dict):
+            raise ParamsFormatError(f"stored request parameters are a JSON object, not {type(data).__name__}")
+        if "v" not in data:  # flat: sampling keys beside user and endpoint
+            sampling = {k: v for k, v in data.items() if k not in _IDENTITY}
+            data = {"v": VERSION, "sampling": sampling, **{k: data[k] for k in _IDENTITY if k in data}}
+        if data["v"] != VERSION:
+            raise ParamsFormatError(f"request parameters version {data['v']!r} are unknown here (this process "
+                                    f"reads version {VERSION}): a newer web process stored them; upgrade the workers")
+        unknown = set(data) - {"v", "sampling", *_IDENTITY}
+        try:
+            if unknown:
+                raise TypeError(f"unknown fields {sorted(unknown)}")
+            return cls(Sampling(**data.get("sampling", {})), user=data.get("user"),
+                       endpoint=data.get("endpoint", "chat"))
+        except (TypeError, ValueError) as exc:
+            raise ParamsFormatError(f"malformed request parameters {data!r}: {exc}") from None
+
+    def flat(self) -> dict:
+        """One flat object of what the request set, as the request detail API shows it (and as requests were
+        stored before RequestParams)."""
+        out = _set(self.sampling)
+        if self.user is not None:
+            out["user"] = self.user
+        if self.endpoint != "chat":
+            out["endpoint"] = self.endpoint
+        return out
+
+
+def _set(sampling: Sampling) -> dict:
+    """The choices a request set, JSON-ready."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(sampling).items() if v is not None}
