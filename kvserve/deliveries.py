@@ -2,9 +2,11 @@
 messages a worker received (prefetched or running) when it is gone. Owns the Redis key
 `{KVSERVE_LEDGER_PREFIX}:deliveries:{worker_id}` (a hash: task id -> delivery tag) and
 `{KVSERVE_LEDGER_PREFIX}:nodes` (worker id -> Celery node name, whose direct and probe queues the reaper empties too) and
-`{KVSERVE_LEDGER_PREFIX}:queued:{request_id}` (a queued request's prefill arguments until a worker claims it:
-a message Redis handed to a worker's pending BRPOP just as the worker died is in no queue and no `unacked`
-hash, so the reaper sends such a request once more after KVSERVE_REQUEUE_AFTER_S).
+`{KVSERVE_LEDGER_PREFIX}:queued:{request_id}` (a queued request's prefill arguments until a worker claims it)
+and `{KVSERVE_LEDGER_PREFIX}:handed:{request_id}` (a prefilled request's decode arguments until a decode worker
+claims it): a message Redis handed to a worker's pending BRPOP just as the worker died, or whose BRPOP reply
+was lost with its connection, is in no queue and no `unacked` hash, so the reaper sends such a request's
+stage once more after KVSERVE_REQUEUE_AFTER_S.
 
 Without it, a message a dead worker had received waits in kombu's `unacked` hash for the whole visibility
 timeout (an hour: it must outlast the longest decode) and its request for the queue timeout. Putting a
@@ -14,14 +16,17 @@ import base64
 import json
 import logging
 
+import redis
 from celery.utils.nodenames import worker_direct
 from django.conf import settings
 from kombu import Connection
 
-from kvserve.dispatch import PREFILL, prefill_task_requeue, probe_queue
+from inference.retry import repeat
+from kvserve.dispatch import PREFILL, decode_send, prefill_task_requeue, probe_queue
 from kvserve.workers import redis_client
 
 log = logging.getLogger(__name__)
+UNREACHABLE = (redis.ConnectionError, redis.TimeoutError)
 
 
 def deliveries_key(worker_id: str) -> str:
@@ -44,7 +49,46 @@ def queued_note(request_id: str, prompt_ids: list[int]) -> None:
 
 def queued_done(request_id: str) -> None:
     """A worker claimed the request: nothing to send again."""
-    redis_client(settings.REDIS_URL).delete(queued_key(request_id))
+    _note_drop(queued_key(request_id))
+
+
+def _note_drop(key: str) -> None:
+    """Deletes a stage's note, repeated across a dropped connection; a note Redis never takes expires with the
+    queue timeout, and sends a claimed request once more at most (refused by its claim)."""
+    try:
+        repeat(lambda: redis_client(settings.REDIS_URL).delete(key), f"deleting {key}")
+    except UNREACHABLE as exc:
+        log.warning("could not delete %s (it expires; a copy it sends is refused): %r", key, exc)
+
+
+def handed_key(request_id: str) -> str:
+    return f"{settings.KVSERVE_LEDGER_PREFIX}:handed:{request_id}"
+
+
+def handed_note(request_id: str, prompt_ids: list[int], handoff: dict) -> None:
+    """Prefill sends this request's decode (kept until a decode worker claims it, at most the queue timeout)."""
+    try:
+        repeat(lambda: redis_client(settings.REDIS_URL).set(
+            handed_key(request_id), json.dumps([prompt_ids, handoff]), ex=settings.KVSERVE_QUEUE_TIMEOUT_S),
+            f"noting the decode of {request_id}")
+    except UNREACHABLE as exc:  # the decode is sent anyway; only its second chance is lost
+        log.warning("could not note the decode of %s for the reaper: %r", request_id, exc)
+
+
+def handed_done(request_id: str) -> None:
+    """A decode worker claimed the request: nothing to send again."""
+    _note_drop(handed_key(request_id))
+
+
+def handed_requeue(request_id: str) -> bool:
+    """Sends a prefilled, never-claimed request's decode once more (claims are exclusive: a copy is harmless).
+    Once per request: True when it was sent."""
+    raw = redis_client(settings.REDIS_URL).getdel(handed_key(request_id))
+    if raw is None:
+        return False
+    prompt_ids, handoff = json.loads(raw)
+    decode_send(request_id, prompt_ids, handoff)
+    return True
 
 
 def queued_requeue(request_id: str) -> bool:

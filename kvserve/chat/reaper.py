@@ -1,6 +1,7 @@
 """Orphan reaping (the `kvserve.reap` task, run by beat every KVSERVE_REAPER_INTERVAL_S): fails the requests whose
-worker is gone or that waited in a queue too long (through chat_request_fail), sends an unclaimed one once more,
-puts back what a gone worker had received, and retires the pools of workers gone long enough."""
+worker is gone or that waited in a queue too long (through chat_request_fail), sends an unclaimed stage (prefill,
+or a prefilled request's decode) once more, puts back what a gone worker had received, and retires the pools of
+workers gone long enough."""
 import logging
 from datetime import timedelta
 
@@ -13,7 +14,7 @@ from inference.ledger import RedisLedger, pool_ids
 from kvserve.chat.callbacks import record_safely
 from kvserve.chat.models import ChatRequest
 from kvserve.chat.services import chat_request_fail
-from kvserve.deliveries import deliveries_restore, queued_requeue
+from kvserve.deliveries import deliveries_restore, handed_requeue, queued_requeue
 from kvserve.incident_hooks import incident_report
 from kvserve.workers import redis_get, registry_get
 
@@ -54,6 +55,10 @@ def requests_reap_orphans() -> dict:
                 failed.append(row.id)
         elif (row.status == Status.QUEUED and not row.prefill_deliveries and row.created_at < unclaimed_since
               and row.created_at >= waited_since and queued_requeue(row.id)):
+            requeued.append(row.id)
+        elif (row.status == Status.PREFILLING and row.handoff_verdict == Verdict.OK.value and not row.decode_deliveries
+              and row.prefill_finished_at and waited_since <= row.prefill_finished_at < unclaimed_since
+              and handed_requeue(row.id)):
             requeued.append(row.id)
         elif worker is None and (row.prefill_finished_at or row.created_at) < waited_since:
             if chat_request_fail(row, code="queue_timeout", message=f"no worker took the request within "

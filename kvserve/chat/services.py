@@ -34,7 +34,7 @@ from kvserve.chat.runtime import runtime_get
 from kvserve.chat.salt import request_salt
 from kvserve.chat.tenant_limits import tenant_admission_enforce
 from kvserve.chat.tokenizer import tokenizer_get
-from kvserve.deliveries import queued_done, queued_note
+from kvserve.deliveries import handed_done, handed_note, queued_done, queued_note
 from kvserve.dispatch import decode_send, prefill_send, prefill_task_requeue
 from kvserve.errors import ApiError
 from kvserve.tenants.models import Tenant
@@ -238,6 +238,7 @@ def chat_request_prefill(request_id: str, prompt_ids: list[int]) -> None:
         runtime.transport.discard(req.id)  # ended meanwhile: nobody will decode it
         return
     chat_metrics_prefilled(req, handoff.verdict.value, handoff.cached_tokens)
+    handed_note(req.id, prompt_ids, handoff.to_dict())  # sent again by the reaper if no decode worker claims it
     decode_send(req.id, prompt_ids, handoff.to_dict())
 
 
@@ -248,6 +249,7 @@ def chat_request_decode(request_id: str, prompt_ids: list[int], handoff: dict) -
     if req is None:
         log.info("decode of %s not claimed: already ended or decoding under another delivery", request_id)
         return
+    handed_done(req.id)
     claim = _claim_token(req, "decode_worker", "decode_deliveries")
     runtime.metrics.arrived(req.id, req.created_at.timestamp())  # its time to first token counts from here
     try:

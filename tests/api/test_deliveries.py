@@ -174,3 +174,46 @@ def test_a_queued_request_no_worker_ever_claimed_is_sent_once_more(broker, setti
         m.ack()
         with pytest.raises(q.Empty):
             q.get(timeout=0.5)
+
+
+def test_a_prefilled_request_no_decode_worker_ever_claimed_has_its_decode_sent_once_more(broker, settings):
+    """Its decode message was lost (a BRPOP whose reply went with a killed connection): the prefill's note of
+    the decode arguments lets the reaper send it once more; a request a decode worker claimed is left alone."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from kvserve.chat.models import ChatRequest
+    from kvserve.deliveries import handed_done, handed_note
+    from kvserve.tenants.models import Tenant
+    from tests.incidents.helpers import chat_request
+
+    settings.KVSERVE_REQUEUE_AFTER_S = 30
+    tenant = Tenant.objects.create(name="acme")
+    lost, claimed, fresh = (chat_request(tenant, status="prefilling", prompt_tokens=3, max_tokens=4)
+                            for _ in range(3))
+    long_ago = timezone.now() - timedelta(seconds=45)
+    for req, finished in ((lost, long_ago), (claimed, long_ago), (fresh, timezone.now())):
+        handed_note(req.id, [1, 2, 3], {"request_id": req.id})
+        ChatRequest.objects.filter(id=req.id).update(handoff_verdict="OK", prefill_finished_at=finished)
+    handed_done(claimed.id)  # a decode worker claimed it (its row is still prefilling a moment longer)
+    assert requests_reap_orphans()["requeued_requests"] == [lost.id]
+    assert requests_reap_orphans()["requeued_requests"] == []  # once
+    with broker() as conn:
+        q = conn.SimpleQueue(Queue("decode", Exchange("decode"), routing_key="decode"))
+        m = q.get(timeout=2)
+        assert (m.headers["task"], m.payload[0]) == ("inference.decode", [lost.id, [1, 2, 3], {"request_id": lost.id}])
+        m.ack()
+        with pytest.raises(q.Empty):
+            q.get(timeout=0.5)
+
+
+def test_a_claim_note_redis_cannot_delete_does_not_fail_the_stage(settings, caplog):
+    """Deleting a stage's note is repeated across a dropped connection; with Redis unreachable it is left to
+    expire (a copy it sends is refused by the claim), and the stage goes on."""
+    from kvserve.deliveries import handed_done, queued_done
+
+    settings.REDIS_URL = "redis://127.0.0.1:1/0"  # nothing listens there
+    queued_done("chatcmpl-x")
+    handed_done("chatcmpl-x")
+    assert sum("could not delete" in r.getMessage() for r in caplog.records) == 2
