@@ -132,8 +132,16 @@ class Held:
     def __init__(self, runtime):
         self.open = threading.Event()
         self.open.set()
+        self.parked = threading.Event()  # the loop waits before a step (set once it does, while paused)
         real = runtime.engine.step
-        runtime.engine.step = lambda: (self.open.wait(30), real())[1]
+
+        def step():
+            if not self.open.is_set():
+                self.parked.set()
+            self.open.wait(30)
+            return real()
+
+        runtime.engine.step = step
 
     def __enter__(self):
         self.open.clear()
@@ -623,11 +631,15 @@ def test_verified_decodes_waiting_for_pages_join_the_tenant_holding_fewest_first
         handoffs = {rid: prefill.prefill(rid, prompts[rid], params[rid]).to_dict() for rid in tenants}
         start("a0")
         next(decode.outputs.read("a0", timeout_s=30))
-        with Held(decode):  # a1, then b0, reach the loop together while a0 runs
-            wait_until(lambda: len(decode.engine.seqs) == 1 and decode._commands.empty())
+
+        def queued():  # the heartbeat may queue commands of its own meanwhile
+            return [c.request_id for c in list(decode._commands.queue) if isinstance(c, DecodeCommand)]
+
+        with Held(decode) as held:  # a1, then b0, reach the loop together while a0 runs
+            assert held.parked.wait(30) and len(decode.engine.seqs) == 1 and not queued()
             for n, rid in enumerate(("a1", "b0"), start=1):
                 start(rid)
-                wait_until(lambda: decode._commands.qsize() == n)
+                wait_until(lambda: len(queued()) == n)
         wait_until(lambda: decode.engine.has_request("b0") or decode.engine.has_request("a1"))
         assert decode.engine.has_request("b0") and not decode.engine.has_request("a1")  # 3 + 3 of 8 pages held
         for t in threads:
