@@ -1,0 +1,53 @@
+"""inference.memory: what a serving process keeps per GEMM shape stays bounded, however many shapes it runs."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from inference.memory import GEMM_CACHE_VARIABLES
+
+ROOT = Path(__file__).resolve().parents[2]
+# a fresh process (oneDNN reads its cache capacity once): the model module's prepacked inner product run on
+# 700 token counts, each a shape seen once; what glibc reports in use before and after
+SHAPES = """
+import ctypes, json, torch
+from inference.model import _onednn_linear
+
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                              "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Info
+in_use = lambda: (lambda m: m.uordblks + m.hblkhd)(libc.mallinfo2())
+torch.set_num_threads(1)
+w = torch.ops.mkldnn._reorder_linear_weight(torch.randn(64, 64), 32)
+_onednn_linear(torch.randn(4, 64), w)
+before = in_use()
+for rows in range(1000, 1700):
+    _onednn_linear(torch.randn(rows, 64), w)
+print(json.dumps({"grew_mb": (in_use() - before) / 2**20}))
+"""
+
+
+def glibc_mallinfo2() -> bool:
+    try:
+        import ctypes
+
+        return hasattr(ctypes.CDLL("libc.so.6"), "mallinfo2")
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available() or not glibc_mallinfo2(),
+                    reason="needs a torch with oneDNN and glibc >= 2.33")
+def test_the_prepacked_gemm_keeps_a_bounded_number_of_shapes():
+    env = {k: v for k, v in os.environ.items() if k not in GEMM_CACHE_VARIABLES}
+    out = subprocess.run([sys.executable, "-c", SHAPES], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300, check=True)
+    grew = json.loads(out.stdout.strip().splitlines()[-1])["grew_mb"]
+    # 700 shapes of ~0.4 MB each: ~360 MB when every one is kept (oneDNN's default 1,024), ~100 MB at 256
+    assert grew < 180, f"the heap grew {grew:.0f} MB over 700 GEMM shapes"
