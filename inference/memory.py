@@ -57,6 +57,16 @@ def release_freed_memory() -> bool:
     return True
 
 
+MALLOC_ARENAS = 2  # what kvserve's processes start with unless MALLOC_ARENA_MAX is set
+
+
+def process_env(env: dict) -> dict:
+    """`env` for a kvserve process: MALLOC_ARENA_MAX bounded (glibc reads it once, at start). A process's
+    threads otherwise spread allocations over up to 8 arenas per core and each keeps what it freed: the
+    soak's web process held 25 MB more free heap after 2,500 requests, with the same in use."""
+    return {**env, "MALLOC_ARENA_MAX": env.get("MALLOC_ARENA_MAX") or str(MALLOC_ARENAS)}
+
+
 def malloc_arena_max() -> int | None:
     """MALLOC_ARENA_MAX as this process was started with (glibc reads it once, at start), or None."""
     raw = os.environ.get("MALLOC_ARENA_MAX", "").strip()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from inference.memory import GEMM_CACHE_VARIABLES
+from inference.memory import GEMM_CACHE_VARIABLES, MALLOC_ARENAS, process_env
 
 ROOT = Path(__file__).resolve().parents[2]
 # a fresh process (oneDNN reads its cache capacity once): the model module's prepacked inner product run on
@@ -51,3 +51,33 @@ def test_the_prepacked_gemm_keeps_a_bounded_number_of_shapes():
     grew = json.loads(out.stdout.strip().splitlines()[-1])["grew_mb"]
     # 700 shapes of ~0.4 MB each: ~360 MB when every one is kept (oneDNN's default 1,024), ~100 MB at 256
     assert grew < 180, f"the heap grew {grew:.0f} MB over 700 GEMM shapes"
+
+
+# eight threads alive together that each allocate and keep heap chunks, then glibc's own account of its arenas (on stderr)
+ARENAS = """
+import ctypes, threading
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+kept, together = [], threading.Barrier(8)
+def work():
+    together.wait()  # all alive at once: none takes over the arena of one that ended
+    kept.extend(libc.malloc(64 * 1024) for _ in range(16))
+    together.wait()
+threads = [threading.Thread(target=work) for _ in range(8)]
+for t in threads: t.start()
+for t in threads: t.join()
+libc.malloc_stats()
+"""
+
+
+def arenas_used(env: dict) -> int:
+    out = subprocess.run([sys.executable, "-c", ARENAS], env=env, capture_output=True, text=True, timeout=60, check=True)
+    return sum(line.startswith("Arena ") for line in out.stderr.splitlines())
+
+
+@pytest.mark.skipif(not glibc_mallinfo2(), reason="needs glibc")
+def test_kvserve_processes_start_with_a_bounded_number_of_malloc_arenas():
+    plain = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+    assert process_env(plain)["MALLOC_ARENA_MAX"] == str(MALLOC_ARENAS)
+    assert process_env({**plain, "MALLOC_ARENA_MAX": "4"})["MALLOC_ARENA_MAX"] == "4"  # the operator's own
+    assert arenas_used(process_env(plain)) <= MALLOC_ARENAS < arenas_used(plain)
