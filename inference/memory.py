@@ -15,7 +15,7 @@ import ctypes.util
 import gc
 import os
 
-GEMM_CACHE_CAPACITY = 256  # shapes whose oneDNN primitive is kept (each ~ rows x in_features x 4 bytes)
+GEMM_CACHE_CAPACITY = 64  # shapes whose oneDNN primitive is kept (each ~ rows x in_features x 4 bytes)
 GEMM_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")  # oneDNN's, ideep's
 FIELDS = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")
 
