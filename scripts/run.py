@@ -3,6 +3,7 @@ supervisor that restarts any that exits (scripts/supervisor.py), print where to 
 SIGTERM stops them all. Honours REDIS_URL, DATABASE_URL, KVSERVE_PORT and KVSERVE_LOG_DIR (default
 var/logs/<port>/: stacks on different ports keep their logs apart)."""
 import json
+import os
 import subprocess
 import sys
 import time
@@ -11,6 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from inference.memory import process_env  # noqa: E402
 from inference.settings import log_dir_setting, port_setting  # noqa: E402
 from scripts.supervisor import Supervisor  # noqa: E402
 
@@ -59,7 +61,7 @@ def main() -> int:
     manage("setup_schedules")
     creds = json.loads(manage("bootstrap_demo").strip().splitlines()[-1])
     logs = log_dir(port)
-    supervisor = Supervisor(processes(port), cwd=ROOT, log_dir=logs)
+    supervisor = Supervisor(processes(port), cwd=ROOT, log_dir=logs, env=process_env(dict(os.environ)))
     supervisor.start_all()
     base = f"http://127.0.0.1:{port}"
     if not wait_ready(f"{base}/healthz", supervisor):

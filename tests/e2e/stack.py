@@ -16,6 +16,7 @@ from pathlib import Path
 import psycopg
 import redis
 
+from inference.memory import process_env
 from inference.registry import Registry
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,7 +41,7 @@ class Stack:
         self.url = f"http://{web_host}:{self.port}"
         self.redis = redis.Redis.from_url(redis_url)
         self.env = {
-            **os.environ,
+            **process_env(dict(os.environ)),
             "REDIS_URL": redis_url,
             "KVSERVE_LEDGER_PREFIX": self.prefix,
             "KVSERVE_BROKER_PREFIX": f"{self.prefix}:broker:",
