@@ -122,6 +122,10 @@ def _handoff_outcome(case: str, row, events: list[str], record: dict, worker_id:
             return PASSED, ""
         if row.status == ChatRequest.Status.FAILED and row.error_code != "handoff_refused":
             return NOT_JUDGED, f"timed out: the valid handoff was accepted and ended {row.error_code}"
+        if row.status == ChatRequest.Status.FAILED and row.decode_verdict == "kv_missing":
+            # its KV was gone when the worker looked (a transport read whose reply a Redis blip lost): no
+            # verdict on the handoff itself
+            return NOT_JUDGED, "unreachable: the valid handoff's KV was gone from the transport"
         return WRONG, "the valid handoff was not answered"
     if "delta" in events:
         return WRONG, "content was published for a handoff that must be refused"

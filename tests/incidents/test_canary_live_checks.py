@@ -238,6 +238,9 @@ REFUSED = dict(error_code="handoff_refused", decode_verdict="handoff_mismatch")
     ("valid", probe_row(S.DECODING), [], {}, "not_judged"),
     ("truncated", probe_row(S.DECODING), [], {}, "not_judged"),
     ("valid", probe_row(S.FAILED, error_code="timeout", decode_verdict="accepted"), ["error"], {}, "not_judged"),
+    # its KV gone from the transport (a take whose reply was lost): no verdict on the handoff
+    ("valid", probe_row(S.FAILED, error_code="handoff_refused", decode_verdict="kv_missing"), ["error"], {},
+     "not_judged"),
     # answered as it must be
     ("valid", probe_row(S.DONE, completion_tokens=3), ["delta", "done"], {}, "passed"),
     ("truncated", probe_row(S.FAILED, **REFUSED), ["error"],
