@@ -12,6 +12,7 @@ import redis
 from celery.signals import task_postrun, worker_init, worker_shutdown
 from kombu.transport import redis as kombu_redis
 
+from inference.logs import log_context_set
 from inference.worker import WindowTooLarge
 from inference.worker_settings import worker_settings_validate
 from kvserve.celery import app
@@ -91,6 +92,7 @@ def worker_started(hostname: str) -> None:
     role = role_from_argv()
     if role not in ("prefill", "decode"):
         return
+    log_context_set(role=role)  # on every later log line of this process
     _node["hostname"] = hostname
     try:
         worker_settings_validate(role)
