@@ -465,8 +465,8 @@ class WorkerRuntime:
     def _admit_pending(self) -> None:
         """Verified decodes join the batch fairly, as the scheduler admits: the tenant holding the fewest pages
         here first, FIFO within a tenant; one that does not fit now keeps its turn."""
+        held = self.engine.scheduler.pages_held_by_tenant() if self._pending else None
         while self._pending:
-            held = self.engine.scheduler.pages_held_by_tenant()
             cmd = self._pending.peek(lambda tenant: held[tenant])
             rid = cmd.request_id
             try:
@@ -484,6 +484,7 @@ class WorkerRuntime:
                 return  # does not fit now; retried after the next step frees pages
             seq.cached_tokens = cmd.cached_tokens
             self._pending.pop(cmd)
+            held[seq.tenant] += len(seq.block_table)
             if "foreign_page_once" in self.engine.config.faults and not seq.is_done and self._bystander is None:
                 self._misroute_first_page(seq)
             self.metrics.on_token(rid, seq.is_done)

@@ -83,10 +83,10 @@ def handed_done(request_id: str) -> None:
 def handed_requeue(request_id: str) -> bool:
     """Sends a prefilled, never-claimed request's decode once more (claims are exclusive: a copy is harmless).
     Once per request: True when it was sent."""
-    raw = redis_client(settings.REDIS_URL).getdel(handed_key(request_id))
-    if raw is None:
+    note = _note_take(handed_key(request_id))
+    if note is None:
         return False
-    prompt_ids, handoff = json.loads(raw)
+    prompt_ids, handoff = note
     decode_send(request_id, prompt_ids, handoff)
     return True
 
@@ -94,11 +94,17 @@ def handed_requeue(request_id: str) -> bool:
 def queued_requeue(request_id: str) -> bool:
     """Sends a still-unclaimed request's prefill once more (claims are exclusive: a copy of a message still
     queued is harmless). Once per request: True when it was sent."""
-    raw = redis_client(settings.REDIS_URL).getdel(queued_key(request_id))
-    if raw is None:
+    prompt_ids = _note_take(queued_key(request_id))
+    if prompt_ids is None:
         return False
-    prefill_task_requeue(request_id, json.loads(raw))
+    prefill_task_requeue(request_id, prompt_ids)
     return True
+
+
+def _note_take(key: str):
+    """A stage's note, taken (GETDEL: the reaper sends a stage once); None when claimed or expired."""
+    raw = redis_client(settings.REDIS_URL).getdel(key)
+    return None if raw is None else json.loads(raw)
 
 
 def worker_node_note(worker_id: str, node: str) -> None:
