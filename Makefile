@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-$(REQ_HASH)
 NATIVE_STAMP := inference/native/build/.built
 NATIVE_SRC := inference/native/paged_attention.cpp inference/native/__init__.py
 
-.PHONY: install run test bench redis postgres
+.PHONY: install run test bench redis postgres promtool
 
 install: $(STAMP) $(NATIVE_STAMP)
 
@@ -31,11 +31,14 @@ redis:
 postgres:
 	@scripts/ensure_postgres.sh
 
+promtool:
+	@scripts/ensure_promtool.sh
+
 run: install redis
 	$(PY) scripts/run.py
 
-# PostgreSQL: the e2e suite's session stack and the database tests run on a throwaway database per run
-test: install redis postgres
+# promtool: the alert rules' tests (ops/prometheus). PostgreSQL: the e2e suite's session stack and the database tests run on a throwaway database per run
+test: install redis postgres promtool
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest
 
 bench: install redis

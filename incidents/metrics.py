@@ -6,6 +6,7 @@ database adds only indexed reads: requests in flight, the owners of pages held (
 canary run. So a rendering costs the same after a million requests as after one.
 
 Tenants appear as their ids (`tenant="7"`), never their names: /metrics is read by monitoring, not only staff."""
+import json
 import logging
 import threading
 import time
@@ -22,6 +23,7 @@ from incidents.canary.live import broker_queue_lengths
 from incidents.canary.result import OUTCOMES, outcome_stored
 from incidents.models import CanaryRun
 from inference import metrics as aggregated
+from inference.block_manager import VIOLATION_KINDS
 from inference.ledger import pool_counts
 from inference.tenant_budget import LIMITS as TENANT_LIMITS
 from kvserve.chat.models import ChatRequest
@@ -30,6 +32,8 @@ from kvserve.workers import redis_get, registry_get
 
 log = logging.getLogger(__name__)
 PAGE_STATES = ("used", "free", "dirty", "lost")
+ROLES = ("prefill", "decode")
+SEVERITIES = ("critical", "warning")
 IN_FLIGHT = (ChatRequest.Status.QUEUED, ChatRequest.Status.PREFILLING, ChatRequest.Status.DECODING)
 
 
@@ -68,6 +72,11 @@ def worker_families(scrape: dict):
                  [((w.worker_id, w.role), w.window) for w in workers])
     yield _gauge("kvserve_worker_quarantined", "1 while the worker is quarantined", ["worker", "role"],
                  [((w.worker_id, w.role), int(w.quarantined)) for w in workers])
+    live = dict.fromkeys(ROLES, 0)
+    for w in workers:
+        live[w.role] = live.get(w.role, 0) + 1
+    yield _gauge("kvserve_workers_live", "Live (registered, heartbeating) workers per role; 0 is an outage of that "
+                 "role", ["role"], [((role,), n) for role, n in live.items()])
     limit = registry.effective_limit()
     yield _gauge("kvserve_effective_context_limit_tokens",
                  "Admission limit (prompt + max_tokens); 0 when no prefill and decode worker can serve", [],
@@ -91,11 +100,18 @@ def aggregated_families(scrape: dict):
     raw = aggregated.families_read(redis_get(), settings.KVSERVE_LEDGER_PREFIX)
     m = scrape["model_name"]
     defaults = {"admission_rejections": [{"reason": r} for r in ("context_length_exceeded", *TENANT_LIMITS)],
+                # at 0 from the start: Prometheus' increase() never counts a series' first sample, so a violation
+                # counter born at 1 would never alert
+                "guard_violations": [{"model_name": m, "role": r, "kind": k} for r in ROLES for k in VIOLATION_KINDS],
                 **{name: [{"model_name": m}] for name, f in aggregated.FAMILIES.items() if f.labels == ("model_name",)}}
     yield from aggregated.families_render(raw, defaults)
-    recorded, resolved = (sum(float(v) for v in raw[name].values()) for name in ("incidents", "incidents_resolved"))
-    yield _gauge("kvserve_incidents_open", "Incidents recorded and not (yet) resolved", [],
-                 [((), max(0.0, recorded - resolved))])
+    open_by = dict.fromkeys(SEVERITIES, 0.0)  # both severities always: an alert on 0 -> 1 needs the 0
+    for name, sign in (("incidents", 1.0), ("incidents_resolved", -1.0)):
+        for labels, value in raw[name].items():
+            severity = json.loads(labels)[1]  # ("kind", "severity")
+            open_by[severity] = open_by.get(severity, 0.0) + sign * float(value)
+    yield _gauge("kvserve_incidents_open", "Incidents recorded and not (yet) resolved, by severity", ["severity"],
+                 [((severity,), max(0.0, n)) for severity, n in sorted(open_by.items())])
 
 
 # ---- the database: indexed reads only ------------------------------------------------------------------
@@ -134,8 +150,9 @@ def canary_families(scrape: dict):
     yield _gauge("kvserve_canary_check_duration_seconds", "Duration of each check in the latest canary run",
                  ["check"], [((str(c["name"]),), float(c["duration_s"])) for c in checks
                              if isinstance(c.get("duration_s"), (int, float))])
-    yield _gauge("kvserve_canary_last_run_timestamp_seconds", "Start of the latest canary run (Unix time)", [],
-                 [((), run.started_at.timestamp())] if run else [])
+    yield _gauge("kvserve_canary_last_run_timestamp_seconds", "Start of the latest canary run (Unix time); 0 when "
+                 "none ever ran, so that an alert on its age fires before the first run too", [],
+                 [((), run.started_at.timestamp() if run else 0.0)])
     yield _gauge("kvserve_canary_last_run_passed", "1 when the latest canary run passed", [],
                  [((), int(run.passed))] if run else [])
 

@@ -17,9 +17,12 @@ from inference.sequence import Sequence
 from inference.settings import SCRUB_POLICIES  # the one list, which KVSERVE_SCRUB accepts
 
 
+VIOLATION_KINDS = ("foreign_read", "stale_epoch", "unwritten_read", "shared_write")
+
+
 @dataclass
 class Violation:
-    kind: str  # foreign_read | stale_epoch | unwritten_read | shared_write
+    kind: str  # one of VIOLATION_KINDS
     reader: str
     page: int
     page_owner: str | None

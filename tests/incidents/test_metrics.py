@@ -139,7 +139,8 @@ def test_metrics_read_live_state(client, registry, make_worker, tiny_model, djan
     assert histogram(m, "time_to_first_token_seconds")["count"] == 0  # shown, at zero, before any traffic
     assert m[("kvserve_incidents_total", (("kind", "lease_expired"), ("severity", "warning")))] == 2
     assert m[("kvserve_incidents_resolved_total", (("kind", "lease_expired"), ("severity", "warning")))] == 1
-    assert m[("kvserve_incidents_open", ())] == 2
+    open_by = {s: m[("kvserve_incidents_open", (("severity", s),))] for s in ("critical", "warning")}
+    assert open_by == {"critical": 1, "warning": 1}
     assert m[("kvserve_canary_check_passed", (("check", "self_test"),))] == 0
     outcome = lambda check, o: m[("kvserve_canary_check_outcome", (("check", check), ("outcome", o)))]  # noqa: E731
     assert [outcome("self_test", o) for o in ("passed", "not_judged", "wrong")] == [0, 0, 1]  # stored before outcomes
