@@ -77,6 +77,10 @@ def worker_families(scrape: dict):
         live[w.role] = live.get(w.role, 0) + 1
     yield _gauge("kvserve_workers_live", "Live (registered, heartbeating) workers per role; 0 is an outage of that "
                  "role", ["role"], [((role,), n) for role, n in live.items()])
+    yield _gauge("kvserve_cache_config_info", "The KV cache of each live worker (vLLM's cache_config_info): pages "
+                 "(num_gpu_blocks), tokens per page (block_size), element type (cache_dtype)",
+                 ["worker", "role", "block_size", "num_gpu_blocks", "cache_dtype"],
+                 [((w.worker_id, w.role, str(w.page_size), str(w.num_pages), str(w.dtype)), 1) for w in workers])
     limit = registry.effective_limit()
     yield _gauge("kvserve_effective_context_limit_tokens",
                  "Admission limit (prompt + max_tokens); 0 when no prefill and decode worker can serve", [],

@@ -24,6 +24,10 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
                  5.0, 10.0, 20.0)
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# Token counts: per request (vLLM's 1-2-5 series up to a long context) and per engine step (batch sizes)
+REQUEST_TOKEN_BUCKETS = tuple(float(n) for n in (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000,
+                                                 50000, 100000))
+STEP_TOKEN_BUCKETS = tuple(float(n) for n in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 2048, 4096, 8192))
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,12 @@ FAMILIES = {f.name: f for f in (
            REQUEST_BUCKETS),
     Family("kv_transfer_time_seconds", "Decode worker: pulling a handoff's KV pages from the transport", M,
            TRANSFER_BUCKETS),
+    Family("request_inference_time_seconds", "A prefill worker taking the request to its last token (prefill, "
+           "handoff and decode; finished requests)", M, REQUEST_BUCKETS),
+    Family("request_prompt_tokens", "Prompt tokens per finished request", M, REQUEST_TOKEN_BUCKETS),
+    Family("request_generation_tokens", "Generated tokens per finished request", M, REQUEST_TOKEN_BUCKETS),
+    Family("iteration_tokens_total", "Tokens sampled per engine step of a decode worker (its batch)", M,
+           STEP_TOKEN_BUCKETS),
     Family("prompt_tokens", "Prompt tokens prefilled (handoff OK)", M),
     Family("generation_tokens", "Tokens generated (published by decode workers)", M),
     Family("prefix_cache_queries", "Prompt tokens looked up in the prefill workers' prefix cache, per tenant (id)",
@@ -248,6 +258,10 @@ class WorkerMetrics:
     def on_step(self, events) -> None:
         """An engine step's events (inference.engine.StepEvent): every decode token of the step."""
         now, wall = time.monotonic(), time.time()
+        sampled = sum(1 for ev in events if ev.token is not None and not ev.seq.prefill_only)
+        if sampled:
+            with self._lock:
+                self._batch.observe("iteration_tokens_total", sampled, model_name=self.model_name)
         for ev in events:
             if ev.token is not None and not ev.seq.prefill_only:
                 self.on_token(ev.seq.request_id, ev.finished, now, wall)

@@ -52,6 +52,10 @@ def chat_metrics_decoded(req, seq) -> None:
     else:
         batch.inc("request_success", model_name=m, finished_reason=seq.finish_reason or "stop")
         batch.observe("e2e_request_latency_seconds", _seconds(req.created_at, end), model_name=m)
+        batch.observe("request_prompt_tokens", req.prompt_tokens, model_name=m)
+        batch.observe("request_generation_tokens", len(seq.output_ids), model_name=m)
+        if (seconds := _seconds(req.prefill_started_at, end)) is not None:
+            batch.observe("request_inference_time_seconds", seconds, model_name=m)
         if (seconds := _seconds(req.decode_started_at, end)) is not None:
             batch.observe("request_decode_time_seconds", seconds, model_name=m)
     _send(batch, f"decode of {req.id}")

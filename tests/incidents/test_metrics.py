@@ -137,6 +137,15 @@ def test_metrics_read_live_state(client, registry, make_worker, tiny_model, djan
     assert hist["request_queue_time_seconds"]["buckets"]["0.5"] == 1
     assert hist["request_queue_time_seconds"]["buckets"]["+Inf"] == 1
     assert histogram(m, "time_to_first_token_seconds")["count"] == 0  # shown, at zero, before any traffic
+    sizes = {name: histogram(m, name) for name in ("request_prompt_tokens", "request_generation_tokens",
+                                                   "request_inference_time_seconds")}
+    assert {name: (h["count"], round(h["sum"], 3)) for name, h in sizes.items()} == {
+        "request_prompt_tokens": (1, 40), "request_generation_tokens": (1, 0),
+        "request_inference_time_seconds": (1, 1.8)}
+    assert sizes["request_prompt_tokens"]["buckets"]["20.0"] == 0 and sizes["request_prompt_tokens"]["buckets"]["50.0"] == 1
+    info = {dict(k[1])["worker"]: dict(k[1]) for k, v in m.items() if k[0] == "kvserve_cache_config_info" and v == 1}
+    assert info["decode-1"] == {"worker": "decode-1", "role": "decode", "block_size": "16", "num_gpu_blocks": "10",
+                                "cache_dtype": "float32"}
     assert m[("kvserve_incidents_total", (("kind", "lease_expired"), ("severity", "warning")))] == 2
     assert m[("kvserve_incidents_resolved_total", (("kind", "lease_expired"), ("severity", "warning")))] == 1
     open_by = {s: m[("kvserve_incidents_open", (("severity", s),))] for s in ("critical", "warning")}

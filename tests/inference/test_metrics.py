@@ -120,6 +120,21 @@ def test_step_events_count_decode_tokens_only(redis_client, ledger_prefix):
     assert not w._last  # the failure event (no token) ended its tracking
 
 
+def test_tokens_per_engine_step_are_a_histogram_of_the_decode_batch(redis_client, ledger_prefix):
+    w = WorkerMetrics(redis_client, ledger_prefix, role="decode", model_name="m", worker_id="d1", gauges_ttl_s=5)
+    seqs = [Sequence(f"d{i}", [1, 2], SamplingParams()) for i in range(3)]
+    w.on_step([StepEvent(s, 8, "x", False) for s in seqs])  # a step of 3
+    w.on_step([StepEvent(seqs[0], 9, "y", False), StepEvent(seqs[1], None, "", True)])  # of 1 (a failure: none)
+    w.on_step([StepEvent(Sequence("p", [1], SamplingParams(), prefill_only=True), 7, "", True)])  # prefill: none
+    w._batch.send(redis_client, ledger_prefix)
+    m = rendered(redis_client, ledger_prefix)
+    labels = (("model_name", "m"),)
+    assert m[("kvserve_iteration_tokens_total_count", labels)] == 2
+    assert m[("kvserve_iteration_tokens_total_sum", labels)] == 4
+    assert m[("kvserve_iteration_tokens_total_bucket", (("le", "2.0"), ("model_name", "m")))] == 1
+    assert m[("kvserve_iteration_tokens_total_bucket", (("le", "4.0"), ("model_name", "m")))] == 2
+
+
 def test_preemptions_are_counted_once_per_preempted_sequence(redis_client, ledger_prefix, tiny_model):
     engine = Engine(tiny_model, EngineConfig(num_pages=14, page_size=4))
     w = WorkerMetrics(redis_client, ledger_prefix, role="decode", model_name="m", worker_id="d1", gauges_ttl_s=5)
