@@ -2,11 +2,14 @@
 seeded draw through temperature, top-k, top-p and min-p; and the sampled tokens' log-probabilities.
 
 The draw is counter-based, so that any worker, at any batch composition, draws the same token for the same
-(seed, step): each candidate token t of a row gets the noise E = -log(u), u uniform from a 32-bit hash of
-(seed, step, t) computed in int64 tensor ops (no generator state), and the row takes argmax(log p_t - log E_t)
-over the tokens its filters kept. argmax(p / E) with E ~ Exp(1) picks t with probability p_t (the exponential
-race), so this is an exact draw from the filtered distribution; log p_t is the tempered logit (the shared
-log-normalizer does not change an argmax)."""
+(seed, step): no generator state, only hashes of (seed, step) in int64 tensor ops. A row whose filters keep at
+most _PREFIX tokens (any top_k <= 256, and most top_p / min_p) runs the exponential race over them: each kept
+token t gets E_t = -log(u_t), u_t uniform from a 32-bit hash of (seed, step, t), and the row takes
+argmax(log p_t - log E_t); argmax(p / E) with E ~ Exp(1) picks t with probability p_t, an exact draw (log p_t is
+the tempered logit: the shared normalizer does not change an argmax). A row keeping more (plain temperature
+sampling) draws by inverse CDF: one uniform from (seed, step), the first token in id order whose cumulative
+probability reaches it, with no per-token hash over the vocabulary. Which of the two a row takes depends on that
+row alone, so a row draws the same alone or in any batch."""
 import math
 
 import torch
@@ -27,6 +30,12 @@ def row_key(seed: int, step: int) -> tuple[int, int]:
     """Two 32-bit words keying one row's draw at one step (Python ints: exact for any 64-bit seed)."""
     k = _splitmix64(_splitmix64(seed & _M64) ^ (step & _M64))
     return k & _M32, k >> 32
+
+
+def row_uniform(seed: int, step: int) -> float:
+    """One uniform in (0, 1) for a row's (seed, step), 53 bits: the inverse-CDF draw's."""
+    lo, hi = row_key(seed, step)
+    return ((_splitmix64(hi << 32 | lo) >> 11) + 0.5) * 2.0**-53
 
 
 def _mul32(x: torch.Tensor, m: int) -> torch.Tensor:
@@ -54,7 +63,7 @@ def log_exp_noise(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
 
 # log E is at least log(-log(1 - 2**-33)) (u's largest value), so a token scores at most its logit + this
 _NOISE_MAX = -math.log(-math.log1p(-(2.0**-33))) + 1e-3
-_PREFIX = 256  # candidates tried first for rows whose filters (top_p, min_p) have no top_k
+_PREFIX = 256  # a row keeping at most this many tokens races them, one keeping more draws by its CDF
 
 
 def _flat(rows: list[list[int]], device):
@@ -124,6 +133,11 @@ def _race(vals: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor | None = Non
     hashed: none scores above its logit + _NOISE_MAX, and the row's best logit scores s0, so a token whose logit
     is below s0 - _NOISE_MAX cannot win (exact, and the same winner whatever the candidate layout)."""
     m = vals.shape[0]
+    if ids is not None and vals.shape[-1] <= _PREFIX:  # few candidates: hash them all, no pruning pass
+        score = vals.double() - log_exp_noise(keys, ids)
+        best = score.max(dim=-1, keepdim=True).values
+        big = torch.iinfo(torch.long).max
+        return ids.masked_fill(score < best, big).min(dim=-1).values  # a tie goes to the smallest token id
     top_v, top_j = vals.max(dim=-1)
     top_t = top_j if ids is None else ids.gather(1, top_j.unsqueeze(1)).squeeze(1)
     s0 = top_v.double() - log_exp_noise(keys, top_t.unsqueeze(1)).squeeze(1)
@@ -138,16 +152,16 @@ def _race(vals: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor | None = Non
     return big.scatter_reduce(0, r[win], t[win], "amin")  # a tie goes to the smallest token id
 
 
-def _thresholds(x: torch.Tensor, ps, device) -> tuple[torch.Tensor, tuple | None]:
+def _thresholds(x: torch.Tensor, ps, device) -> tuple[torch.Tensor, tuple]:
     """Per row, the smallest tempered logit its filters keep (top_k: the k-th largest; top_p: the last of the
     shortest leading run holding top_p of the mass after top_k; min_p: max + log(min_p)), and the sorted leading
-    candidates (values, ids) when they hold every kept token of every row, else None."""
+    candidates (tempered values, ids) it looked at."""
     m, vocab = x.shape
     temp = _col([p.temperature for p in ps], device)
     top_k = [min(p.top_k, vocab) for p in ps]
     top_p = [p.top_p for p in ps]
     min_p = [p.min_p for p in ps]
-    width = max(top_k) if all(top_k) else min(max([_PREFIX, *top_k]), vocab)
+    width = min(max([_PREFIX + 1, *top_k]), vocab)  # one past _PREFIX: sample() tells rows keeping more
     nucleus = _col([q < 1.0 for q in top_p], device, torch.bool)
     while True:
         vals, ids = x.topk(width, dim=-1)
@@ -172,9 +186,7 @@ def _thresholds(x: torch.Tensor, ps, device) -> tuple[torch.Tensor, tuple | None
             thr = torch.where(nucleus, torch.maximum(thr, vals.gather(1, n - 1)), thr)
         if any(min_p):
             thr = torch.maximum(thr, vals[:, :1] + _col([math.log(q) if q else float("-inf") for q in min_p], device))
-        if width == vocab or bool((vals[:, -1:] < thr).all()):
-            return thr, (vals, ids)
-        return thr, None
+        return thr, (vals, ids)
 
 
 def sample(logits: torch.Tensor, params_list, steps: list[int], prompts=None, outputs=None, eos_ids=()) -> list[int]:
@@ -192,18 +204,40 @@ def sample(logits: torch.Tensor, params_list, steps: list[int], prompts=None, ou
             return out.tolist()
     ps = [params_list[i] for i in rows]
     xs = x if len(rows) == len(params_list) else x[torch.tensor(rows, device=device)]
-    keys = torch.tensor([row_key(p.seed, steps[i]) for p, i in zip(ps, rows)], dtype=torch.long, device=device)
-    thr, prefix = _thresholds(xs, ps, device)
-    if prefix is not None:
-        vals, ids = prefix
-        drawn = _race(vals.masked_fill(vals < thr, float("-inf")), keys, ids)
-    else:
-        vals = xs / _col([p.temperature for p in ps], device)
-        drawn = _race(vals.masked_fill_(vals < thr, float("-inf")), keys)
+    seeds = [(p.seed, steps[i]) for p, i in zip(ps, rows)]
+    thr, (vals, ids) = _thresholds(xs, ps, device)
+    # a row keeping at most _PREFIX tokens races them; one keeping more draws by its CDF (a rule of its own alone)
+    few = torch.ones_like(thr, dtype=torch.bool)
+    if vals.shape[-1] > _PREFIX:  # the vocabulary is larger: vals hold its _PREFIX + 1 largest at least
+        few = vals[:, _PREFIX:_PREFIX + 1] < thr
+        vals, ids = vals[:, :_PREFIX], ids[:, :_PREFIX]
+    few = few.squeeze(1).tolist()
+    drawn = torch.empty(len(rows), dtype=torch.long, device=device)
+    racing = [j for j, f in enumerate(few) if f]
+    if racing:
+        at = torch.tensor(racing, device=device)
+        keys = torch.tensor([row_key(*seeds[j]) for j in racing], dtype=torch.long, device=device)
+        v = vals[at]
+        drawn[at] = _race(v.masked_fill(v < thr[at], float("-inf")), keys, ids[at])
+    wide = [j for j, f in enumerate(few) if not f]
+    if wide:
+        at = torch.tensor(wide, device=device)
+        v = xs[at] / _col([ps[j].temperature for j in wide], device)
+        drawn[at] = _inverse_cdf(v.masked_fill_(v < thr[at], float("-inf")), [seeds[j] for j in wide])
     if len(rows) == len(params_list):
         return drawn.tolist()
     out[torch.tensor(rows, device=device)] = drawn
     return out.tolist()
+
+
+def _inverse_cdf(vals: torch.Tensor, seeds: list[tuple[int, int]]) -> torch.Tensor:
+    """One draw per row from softmax(vals) (-inf = dropped): the first token, in token id order, whose
+    cumulative probability reaches u * total, u uniform in (0, 1) from the row's (seed, step)."""
+    probs = torch.exp(vals - vals.max(dim=-1, keepdim=True).values).double()
+    cdf = probs.cumsum_(dim=-1)
+    u = torch.tensor([row_uniform(*sd) for sd in seeds], dtype=torch.float64, device=vals.device)
+    at = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1)).squeeze(1)
+    return at.clamp_(max=vals.shape[-1] - 1)
 
 
 MAX_TOP_LOGPROBS = 20

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from inference.sampling import log_exp_noise, process_logits, row_key, sample
+from inference.sampling import log_exp_noise, process_logits, row_key, row_uniform, sample
 from inference.sequence import SamplingParams
 
 V = 300
@@ -54,9 +54,14 @@ def reference(logits, params_list, steps, prompts, outputs, eos_ids=EOS):
             keep &= x >= x[order[run - 1]]
         if p.min_p:
             keep &= torch.softmax(x, 0) >= p.min_p * torch.softmax(x, 0).max()
-        key = torch.tensor([row_key(p.seed, step)])
-        score = x - log_exp_noise(key, torch.arange(V).unsqueeze(0))[0]
-        out.append(int(score.masked_fill(~keep, float("-inf")).argmax()))
+        if keep.sum() <= 256:  # the exponential race over the kept tokens
+            key = torch.tensor([row_key(p.seed, step)])
+            score = x - log_exp_noise(key, torch.arange(V).unsqueeze(0))[0]
+            out.append(int(score.masked_fill(~keep, float("-inf")).argmax()))
+        else:  # inverse CDF in token id order
+            probs = torch.exp(x - x.max()).masked_fill(~keep, 0.0)
+            cdf = probs.cumsum(0)
+            out.append(int((cdf < row_uniform(p.seed, step) * cdf[-1]).sum()))
     return out
 
 
