@@ -372,7 +372,9 @@ class Engine:
                 to_sample.append(seq)
         if to_sample:
             logits = self.model.logits(hidden[torch.tensor([sample_rows[s.request_id] for s in to_sample])])
-            tokens = sample(logits, [s.params for s in to_sample], [len(s.output_ids) for s in to_sample])
+            tokens = sample(logits, [s.params for s in to_sample], [len(s.output_ids) for s in to_sample],
+                            [s.prompt_ids for s in to_sample], [s.output_ids for s in to_sample],
+                            self.tokenizer.eos_ids)
             logprobs = sampled_logprobs(logits, tokens, [s.params.logprobs for s in to_sample])
             for seq, token, lp in zip(to_sample, tokens, logprobs):
                 events.append(self._on_token(seq, token))
@@ -400,32 +402,30 @@ class Engine:
     def _append_token(self, seq: Sequence, token: int) -> str:
         """Records a sampled token and returns the text it releases. seq.text only ever grows by what
         is returned; an incomplete UTF-8 character and a possible start of a stop string are held
-        back until the next token decides them."""
+        back until the next token decides them. When the sequence ends (EOS or a stop token id: their text
+        left out; a stop string: cut before it, or after it with include_stop_str_in_output; length) the text
+        held back for a stop string is released and an incomplete trailing character dropped, never shown
+        as U+FFFD. Stop strings are searched once min_tokens outputs are reached (the sampler holds EOS and
+        stop token ids back until then)."""
         seq.output_ids.append(token)
         self.num_decode_tokens += 1
         params = seq.params
-        if token in self.tokenizer.eos_ids and not params.ignore_eos:
-            seq.status, seq.finish_reason = SeqStatus.FINISHED, "stop"
-            return ""
         stream = seq.text_stream = seq.text_stream or self.tokenizer.stream()
-        searched = stream.stable_len  # text before this was searched for stop strings already
+        if (token in self.tokenizer.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            return self._finish(seq, "stop", stream.settled)
+        searched = min(stream.stable_len, len(stream.settled))  # text before this was searched for stop strings
         stream.push(token)
-        text = stream.text
-        if params.stop:
+        text = stream.settled
+        if params.stop and len(seq.output_ids) >= params.min_tokens:
             # a stop string found now ends past what was searched (else the last step had found it)
             start = max(0, searched - max(map(len, params.stop)) + 1)
-            hits = [i for i in (text.find(s, start) for s in params.stop if s) if i >= 0]
+            hits = [(i, -len(s), s) for s in params.stop if s for i in [text.find(s, start)] if i >= 0]
             if hits:
-                cut = min(hits)
-                delta = text[len(seq.text):cut] if cut > len(seq.text) else ""
-                seq.text = text[:cut]
-                seq.status, seq.finish_reason = SeqStatus.FINISHED, "stop"
-                return delta
+                cut, _, stop = min(hits)
+                return self._finish(seq, "stop", text[:cut + len(stop) if params.include_stop_str_in_output else cut])
         if len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.model.config.max_position:
-            seq.status, seq.finish_reason = SeqStatus.FINISHED, "length"
-            delta, seq.text = text[len(seq.text):], text
-            return delta
-        safe = len(text.rstrip("\ufffd"))
+            return self._finish(seq, "length", text)
+        safe = len(text)
         for s in params.stop:
             for k in range(min(len(s) - 1, safe), 0, -1):
                 if text.endswith(s[:k], 0, safe):
@@ -435,6 +435,14 @@ class Engine:
             return ""
         delta = text[len(seq.text):safe]
         seq.text += delta
+        return delta
+
+    @staticmethod
+    def _finish(seq: Sequence, reason: str, text: str) -> str:
+        """Ends `seq` with its final text (what was released so far is its prefix); returns the rest."""
+        delta = text[len(seq.text):] if len(text) > len(seq.text) else ""
+        seq.text = text if len(text) >= len(seq.text) else seq.text
+        seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
         return delta
 
     def _fail_closed(self, seq: Sequence, exc: OwnershipViolation) -> StepEvent:

@@ -12,6 +12,11 @@ ENDPOINTS = ("chat", "completions")
 _IDENTITY = ("user", "endpoint")  # the legacy flat form's keys that are not sampling choices
 
 
+# Sampling fields handed to SamplingParams under the same name when set (None leaves the engine's default)
+_ENGINE_FIELDS = ("top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias",
+                  "min_tokens", "stop_token_ids", "include_stop_str_in_output", "ignore_eos")
+
+
 class ParamsFormatError(ValueError):
     """A stored RequestParams this process cannot read."""
 
@@ -25,10 +30,24 @@ class Sampling:
     seed: int | None = None  # fixed at admission, so that any worker samples the same stream
     stop: tuple[str, ...] | None = None
     logprobs: int | None = None  # each token's log-probability and this many alternatives; None: not asked
+    top_k: int | None = None
+    min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] | None = None  # (token id, bias) pairs
+    min_tokens: int | None = None
+    stop_token_ids: tuple[int, ...] | None = None
+    include_stop_str_in_output: bool | None = None
+    ignore_eos: bool | None = None
 
     def __post_init__(self):
         if self.stop is not None:
             object.__setattr__(self, "stop", tuple(self.stop))
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
+        if self.stop_token_ids is not None:
+            object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
 
 @dataclass(frozen=True)
@@ -47,9 +66,10 @@ class RequestParams:
     def sampling_params(self, max_tokens: int, tenant: str) -> SamplingParams:
         """The engine's parameters for this request (`tenant`: whom the engine's waiting queue serves in turn)."""
         s = self.sampling
+        asked = {k: getattr(s, k) for k in _ENGINE_FIELDS if getattr(s, k) is not None}
         return SamplingParams(max_tokens=max_tokens, temperature=0.0 if s.temperature is None else s.temperature,
                               top_p=1.0 if s.top_p is None else s.top_p, seed=s.seed, stop=s.stop or (),
-                              logprobs=s.logprobs, tenant=tenant)
+                              logprobs=s.logprobs, tenant=tenant, **asked)
 
     def to_dict(self) -> dict:
         """The stored form: `{"v": 1, "sampling": {the choices set}, "user"?, "endpoint"}`."""
@@ -91,4 +111,8 @@ class RequestParams:
 
 def _set(sampling: Sampling) -> dict:
     """The choices a request set, JSON-ready."""
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(sampling).items() if v is not None}
+    return {k: _json(v) for k, v in asdict(sampling).items() if v is not None}
+
+
+def _json(value):
+    return [_json(v) for v in value] if isinstance(value, (tuple, list)) else value

@@ -17,14 +17,38 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none computed; n: each token's log-probability and the n most likely
     tenant: str = ""  # who asked: the engine's waiting queue takes turns between tenants (inference.fair_queue)
+    min_p: float = 0.0  # keep tokens with p >= min_p * p_max; 0 means off
+    frequency_penalty: float = 0.0  # OpenAI: logit -= frequency_penalty * count in the output
+    presence_penalty: float = 0.0  # OpenAI: logit -= presence_penalty if in the output
+    repetition_penalty: float = 1.0  # vLLM: a prompt or output token's logit divided (> 0) or multiplied (< 0)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits
+    min_tokens: int = 0  # EOS and stop_token_ids are masked, stop strings not searched, until this many outputs
+    stop_token_ids: tuple[int, ...] = ()  # end the sequence ("stop"), their text not in the output
+    include_stop_str_in_output: bool = False  # the stop string that ended it stays in the text
 
     def __post_init__(self):
+        if self.top_k == -1:  # vLLM's "off"
+            object.__setattr__(self, "top_k", 0)
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ValueError("temperature >= 0, 0 < top_p <= 1 and top_k >= 0 are required")
+            raise ValueError("temperature >= 0, 0 < top_p <= 1 and top_k >= 0 (or -1) are required")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError("logprobs must be None or 0..20")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in 0..1")
+        if not (-2 <= self.frequency_penalty <= 2 and -2 <= self.presence_penalty <= 2):
+            raise ValueError("frequency_penalty and presence_penalty must be in -2..2")
+        if not 0 < self.repetition_penalty <= 2:
+            raise ValueError("repetition_penalty must be in (0, 2]")
+        if any(t < 0 or not -100 <= b <= 100 for t, b in self.logit_bias):
+            raise ValueError("logit_bias: token ids >= 0, biases in -100..100")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError("min_tokens must be in 0..max_tokens")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be token ids (>= 0)")
         if self.seed is None:
             object.__setattr__(self, "seed", random.getrandbits(63))
 

@@ -63,6 +63,12 @@ class TextStream:
         return self._stable + self._tail if self._tail else self._stable
 
     @property
+    def settled(self) -> str:
+        """`text` less its trailing U+FFFD (an incomplete character, or invalid bytes a later token may follow):
+        what may be shown now, and all a sequence that ends here shows."""
+        return self.text.rstrip("\ufffd")
+
+    @property
     def stable_len(self) -> int:
         return len(self._stable) if self._utf8 else 0
 

@@ -10,8 +10,8 @@ from rest_framework import serializers
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from kvserve.chat.fields import (MessageContentField, PromptField, StopField, StrictBooleanField, StrictFloatField,
-                                 StrictIntegerField, TextField)
+from kvserve.chat.fields import (LogitBiasField, MessageContentField, PromptField, StopField, StrictBooleanField,
+                                 StrictFloatField, StrictIntegerField, TextField, TokenIdListField)
 from kvserve.chat.disconnect import client_gone
 from kvserve.chat.models import ChatRequest
 from kvserve.chat.outputs import completion_chunks, completion_wait, output_stream_exists, sse_response
@@ -42,8 +42,50 @@ def request_sampling(data: dict, logprobs: int | None) -> Sampling:
         temperature = 0.0
     if top_p is not None and top_p < MIN_TOP_P:
         top_p = MIN_TOP_P
+    top_k = data.get("top_k")
     return Sampling(temperature=temperature, top_p=top_p, seed=data.get("seed"), stop=data.get("stop"),
-                    logprobs=logprobs)
+                    logprobs=logprobs, top_k=top_k if top_k not in (-1, 0) else None,  # -1 and 0: off (vLLM)
+                    **{name: data.get(name) for name in SAMPLING_KNOBS if name != "top_k"})
+
+
+# vLLM's and OpenAI's sampling fields beyond temperature, top_p, seed and stop: the same on both endpoints
+SAMPLING_KNOBS = ("top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias",
+                  "min_tokens", "stop_token_ids", "include_stop_str_in_output", "ignore_eos")
+
+
+def sampling_knob_fields(vocab_size: int) -> dict:
+    """The serializer fields of SAMPLING_KNOBS, strict and ranged as vLLM and OpenAI define them."""
+    return {
+        "top_k": StrictIntegerField(required=False, allow_null=True, min_value=-1,
+                                    help_text="Keep the k most likely tokens; -1 or 0 (the default) is off."),
+        "min_p": StrictFloatField(required=False, allow_null=True, min_value=0, max_value=1,
+                                  help_text="Keep tokens at least min_p times as likely as the most likely; 0 is off."),
+        "frequency_penalty": StrictFloatField(required=False, allow_null=True, min_value=-2, max_value=2,
+                                              help_text="Subtracted from a token's logit per time it was output."),
+        "presence_penalty": StrictFloatField(required=False, allow_null=True, min_value=-2, max_value=2,
+                                             help_text="Subtracted from a token's logit once it was output."),
+        "repetition_penalty": RepetitionPenaltyField(required=False, allow_null=True, max_value=2,
+                                                     help_text="vLLM's: a prompt or output token's positive logit "
+                                                               "is divided by it, a negative one multiplied; 0 < x "
+                                                               "<= 2, 1 (the default) is off."),
+        "logit_bias": LogitBiasField(vocab_size=vocab_size, required=False, allow_null=True),
+        "min_tokens": StrictIntegerField(required=False, allow_null=True, min_value=0,
+                                         help_text="Tokens generated before EOS, stop_token_ids or a stop string "
+                                                   "may end the answer (<= the max tokens)."),
+        "stop_token_ids": TokenIdListField(vocab_size=vocab_size, required=False, allow_null=True,
+                                           help_text="Token ids that end the answer (finish_reason stop; their "
+                                                     "text is not included)."),
+        "include_stop_str_in_output": StrictBooleanField(required=False, allow_null=True,
+                                                         help_text="Keep the stop string that ended the answer."),
+        "ignore_eos": StrictBooleanField(required=False, allow_null=True,
+                                         help_text="Generate past the end-of-sequence token, up to the max tokens."),
+    }
+
+
+def validate_min_tokens(data: dict, max_tokens: int) -> None:
+    if (data.get("min_tokens") or 0) > max_tokens:
+        raise serializers.ValidationError({"min_tokens": serializers.ErrorDetail(
+            f"min_tokens {data['min_tokens']} is more than the max tokens ({max_tokens}).", code="max_value")})
 
 
 def db_connection_release() -> None:
@@ -82,6 +124,15 @@ class UsageSerializer(serializers.Serializer):
 @extend_schema_field({"type": "number", "minimum": 0, "exclusiveMinimum": True, "maximum": 1, "nullable": True})
 class TopPField(StrictFloatField):
     pass
+
+
+@extend_schema_field({"type": "number", "minimum": 0, "exclusiveMinimum": True, "maximum": 2, "nullable": True})
+class RepetitionPenaltyField(StrictFloatField):
+    def to_internal_value(self, data):
+        value = super().to_internal_value(data)
+        if value <= 0:
+            raise serializers.ValidationError("Ensure this value is greater than 0.", code="min_value")
+        return value
 
 
 class MessageSerializer(serializers.Serializer):
@@ -143,6 +194,10 @@ class ChatLogprobsSerializer(serializers.Serializer):
     refusal = serializers.JSONField(allow_null=True, required=False)
 
 
+def chat_max_tokens(data: dict) -> int:
+    return data.get("max_completion_tokens") or data.get("max_tokens") or settings.KVSERVE_DEFAULT_MAX_TOKENS
+
+
 class ChatCompletionsApi(ChatApiBase):
     @extend_schema_serializer(component_name="ChatCompletionRequest")
     class InputSerializer(serializers.Serializer):
@@ -178,6 +233,7 @@ class ChatCompletionsApi(ChatApiBase):
                     required=False, allow_null=True, min_value=1, max_value=window,
                     help_text=f"Tokens to generate, 1..{window} (default {settings.KVSERVE_DEFAULT_MAX_TOKENS}); "
                               "prompt + max tokens must fit the live workers' limit.")
+            fields.update(sampling_knob_fields(tokenizer_get()[0].vocab_size))
             return fields
 
         def validate_top_p(self, value):
@@ -191,6 +247,7 @@ class ChatCompletionsApi(ChatApiBase):
             if data.get("top_logprobs") is not None and not data.get("logprobs"):
                 raise serializers.ValidationError({"top_logprobs": serializers.ErrorDetail(
                     "top_logprobs needs logprobs: true.", code="invalid")})
+            validate_min_tokens(data, chat_max_tokens(data))
             return data
 
     @extend_schema_serializer(component_name="ChatCompletion")
@@ -234,7 +291,7 @@ class ChatCompletionsApi(ChatApiBase):
         serializer.is_valid(raise_exception=True)
         data = serializer.validated_data
         model = model_get_by_id(data.get("model"))
-        max_tokens = data.get("max_completion_tokens") or data.get("max_tokens") or settings.KVSERVE_DEFAULT_MAX_TOKENS
+        max_tokens = chat_max_tokens(data)
         logprobs = (data.get("top_logprobs") or 0) if data.get("logprobs") else None
         # `user` narrows the request's prefix-cache scope (kvserve/chat/salt.py)
         params = RequestParams(request_sampling(data, logprobs), user=data.get("user") or None)
@@ -301,7 +358,12 @@ class CompletionsApi(ChatApiBase):
                 required=False, allow_null=True, min_value=1, max_value=window,
                 help_text=f"Tokens to generate, 1..{window} (default {COMPLETIONS_DEFAULT_MAX_TOKENS}, as "
                           "OpenAI's); prompt + max tokens must fit the live workers' limit.")
+            fields.update(sampling_knob_fields(tokenizer_get()[0].vocab_size))
             return fields
+
+        def validate(self, data):
+            validate_min_tokens(data, data.get("max_tokens") or COMPLETIONS_DEFAULT_MAX_TOKENS)
+            return data
 
         validate_top_p = ChatCompletionsApi.InputSerializer.validate_top_p
         validate_n = staticmethod(lambda value: validate_one_choice(value, "n"))

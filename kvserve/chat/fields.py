@@ -168,3 +168,74 @@ class PromptField(serializers.Field):
 
     def to_representation(self, value):
         return value
+
+
+MAX_LOGIT_BIAS = 1024  # entries
+
+
+@extend_schema_field({"type": "object", "nullable": True, "maxProperties": MAX_LOGIT_BIAS,
+                      "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                      "description": "Token id (as a string) -> bias added to its logit, -100..100."})
+class LogitBiasField(serializers.Field):
+    """OpenAI's `logit_bias`: {"token id": bias}; each id one of the served vocabulary's, each bias a number in
+    -100..100; returned as ((id, bias), ...) sorted by id."""
+
+    default_error_messages = {
+        "invalid": "Expected an object mapping token ids (strings) to numbers.",
+        "too_many": f"At most {MAX_LOGIT_BIAS} logit_bias entries are supported.",
+        "token": "logit_bias key {token!r} is not a token id of this model's vocabulary (0..{top}).",
+        "bias": "logit_bias value {value!r} for token {token!r} is not a number in -100..100.",
+    }
+
+    def __init__(self, *, vocab_size: int, **kwargs):
+        self.vocab_size = vocab_size
+        super().__init__(**kwargs)
+
+    def to_internal_value(self, data):
+        if not isinstance(data, dict):
+            self.fail("invalid")
+        if len(data) > MAX_LOGIT_BIAS:
+            self.fail("too_many")
+        out = []
+        for key, value in data.items():
+            if not (key.isascii() and key.isdigit()) or not 0 <= int(key) < self.vocab_size:
+                self.fail("token", token=key, top=self.vocab_size - 1)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+                self.fail("bias", token=key, value=value)
+            out.append((int(key), float(value)))
+        return tuple(sorted(out))
+
+    def to_representation(self, value):
+        return {str(t): b for t, b in value}
+
+
+MAX_STOP_TOKEN_IDS = 64
+
+
+@extend_schema_field({"type": "array", "nullable": True, "maxItems": MAX_STOP_TOKEN_IDS,
+                      "items": {"type": "integer", "minimum": 0}})
+class TokenIdListField(serializers.Field):
+    """A list of token ids of the served vocabulary (vLLM's `stop_token_ids`), at most 64."""
+
+    default_error_messages = {
+        "invalid": "Expected a list of token ids.",
+        "too_many": f"At most {MAX_STOP_TOKEN_IDS} token ids are supported.",
+        "token": "Token id {value!r} at index {index} is not an id of this model's vocabulary (0..{top}).",
+    }
+
+    def __init__(self, *, vocab_size: int, **kwargs):
+        self.vocab_size = vocab_size
+        super().__init__(**kwargs)
+
+    def to_internal_value(self, data):
+        if not isinstance(data, list):
+            self.fail("invalid")
+        if len(data) > MAX_STOP_TOKEN_IDS:
+            self.fail("too_many")
+        for index, value in enumerate(data):
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < self.vocab_size:
+                self.fail("token", value=value, index=index, top=self.vocab_size - 1)
+        return tuple(data)
+
+    def to_representation(self, value):
+        return list(value)

@@ -1,8 +1,9 @@
 """Token log-probabilities as OpenAI returns them. Workers send, per generated token, `[token id, logprob,
 [[id, logprob], ...]]` on the output events (inference.events.Delta); here they become the chat shape
 (`choices[].logprobs.content[]` of {token, logprob, bytes, top_logprobs}) or the legacy completions shape
-(`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`). The end-of-sequence token is not part of the
-text, so it is not listed."""
+(`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`). Every generated token is listed, the one that ended
+the sequence included (so there are usage.completion_tokens entries); the end-of-sequence token adds no text, so
+its text is "" (no bytes)."""
 from inference.tokenizer import BYTE_OF_SYMBOL
 
 
@@ -15,7 +16,10 @@ class TokenText:
         self._bytes: dict[int, bytes] = {}
 
     def bytes_of(self, token_id: int) -> bytes:
-        """A token's own bytes (a byte-level token may be part of a UTF-8 character); a special token's name."""
+        """A token's own bytes (a byte-level token may be part of a UTF-8 character); a special token's name; none
+        for an end-of-sequence token."""
+        if token_id in self.eos_ids:
+            return b""
         if token_id not in self._bytes:
             piece = self.tk.id_to_token(int(token_id)) or ""
             table = BYTE_OF_SYMBOL  # GPT-2's byte-level alphabet: symbol -> byte
@@ -31,10 +35,6 @@ class TokenText:
         return self.bytes_of(token_id).decode("utf-8", errors="replace")
 
 
-def _entries(events_logprobs: list, text: TokenText) -> list:
-    return [e for e in events_logprobs if int(e[0]) not in text.eos_ids]
-
-
 def chat_logprobs(entries: list, text: TokenText, top: int) -> dict:
     """{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
     def item(token_id, logprob):
@@ -42,14 +42,14 @@ def chat_logprobs(entries: list, text: TokenText, top: int) -> dict:
         return {"token": raw.decode("utf-8", errors="replace"), "logprob": float(logprob), "bytes": list(raw)}
 
     return {"content": [{**item(tid, lp), "top_logprobs": [item(i, x) for i, x in alts[:top]]}
-                        for tid, lp, alts in _entries(entries, text)], "refusal": None}
+                        for tid, lp, alts in entries], "refusal": None}
 
 
 def completion_logprobs(entries: list, text: TokenText, top: int, offset: int = 0) -> dict:
     """{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}; offsets are characters
     into the completion text, counted from `offset`."""
     tokens, lps, tops, offsets = [], [], [], []
-    for tid, lp, alts in _entries(entries, text):
+    for tid, lp, alts in entries:
         s = text.text_of(tid)
         tokens.append(s)
         lps.append(float(lp))

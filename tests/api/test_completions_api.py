@@ -123,11 +123,13 @@ def test_chat_logprobs_in_openai_shape(client, chat_env, key):
     choice = post(client, key, body, url="/v1/chat/completions").json()["choices"][0]
     assert ChatRequest.objects.get().request_params.sampling.logprobs == 1  # what the engine is asked for
     assert choice["message"]["content"] == " Paris."
-    assert choice["logprobs"] == {"refusal": None, "content": [  # the end-of-sequence token is not in the text
+    assert choice["logprobs"] == {"refusal": None, "content": [  # every token, the end-of-sequence one (no text) too
         {"token": " Paris", "logprob": -0.25, "bytes": list(b" Paris"),
          "top_logprobs": [{"token": " Paris", "logprob": -0.25, "bytes": list(b" Paris")}]},
         {"token": ".", "logprob": -0.5, "bytes": [46],
-         "top_logprobs": [{"token": ".", "logprob": -0.5, "bytes": [46]}]}]}
+         "top_logprobs": [{"token": ".", "logprob": -0.5, "bytes": [46]}]},
+        {"token": "", "logprob": -0.1, "bytes": [], "top_logprobs": [{"token": "", "logprob": -0.1, "bytes": []}]}]}
+    assert len(choice["logprobs"]["content"]) == 3  # == usage.completion_tokens of the events
     streamed = sse_events(streaming_body(post(client, key, {**body, "stream": True}, url="/v1/chat/completions")))
     content = [c for e in streamed[:-1] for ch in e["choices"] if ch["logprobs"] for c in ch["logprobs"]["content"]]
     assert content == choice["logprobs"]["content"]
@@ -137,10 +139,12 @@ def test_completion_logprobs_in_the_legacy_shape(client, chat_env, key):
     chat_env.events = logprob_events()
     choice = post(client, key, {"prompt": "The capital of France is", "logprobs": 2}).json()["choices"][0]
     assert choice["text"] == " Paris."
-    assert choice["logprobs"] == {"tokens": [" Paris", "."], "token_logprobs": [-0.25, -0.5],
-                                  "top_logprobs": [{" Paris": -0.25, " Lyon": -2.5}, {".": -0.5, " Paris": -3.0}],
-                                  "text_offset": [0, 6]}
+    assert choice["logprobs"] == {"tokens": [" Paris", ".", ""], "token_logprobs": [-0.25, -0.5, -0.1],
+                                  "top_logprobs": [{" Paris": -0.25, " Lyon": -2.5}, {".": -0.5, " Paris": -3.0},
+                                                   {"": -0.1, ".": -4.0}],
+                                  "text_offset": [0, 6, 7]}
+    assert len(choice["logprobs"]["tokens"]) == 3  # == usage.completion_tokens of the events
     streamed = sse_events(streaming_body(post(client, key, {"prompt": "x", "logprobs": 0, "stream": True})))
     parts = [ch["logprobs"] for e in streamed[:-1] for ch in e["choices"] if ch["logprobs"]]
-    assert [p["tokens"] for p in parts] == [[" Paris"], ["."], []]
-    assert [p["text_offset"] for p in parts] == [[0], [6], []] and parts[0]["top_logprobs"] == [{}]
+    assert [p["tokens"] for p in parts] == [[" Paris"], ["."], [""]]
+    assert [p["text_offset"] for p in parts] == [[0], [6], [7]] and parts[0]["top_logprobs"] == [{}]

@@ -1,7 +1,8 @@
 """Incremental detokenization equals decoding the whole output again, token by token, on random
 streams (multi-byte characters split across tokens, invalid bytes, special tokens), and the
-engine's deltas, text and finish reasons equal those of the full-decode rule it replaced (stop
-strings across token boundaries, held-back partial characters and partial stop strings, EOS)."""
+engine's deltas, text and finish reasons equal those of a full-decode rule (stop strings across token
+boundaries, held-back partial characters and partial stop strings, EOS; an ending never shows a partial
+character as U+FFFD)."""
 import random
 
 import pytest
@@ -39,27 +40,29 @@ def test_text_stream_equals_a_full_decode_after_every_token(which, tiny_model, r
             assert stream.text.startswith(stable_before)  # the stable part never changes
 
 
-def old_append_token(tokenizer, seq, token, max_position):
-    """The rule `_append_token` had: decode the whole output every step (the oracle)."""
+def full_decode_rule(tokenizer, seq, token, max_position):
+    """What `_append_token` must give, decoding the whole output every step (the oracle): text shown is the
+    decode less its trailing U+FFFD (a character still incomplete); an ending (EOS, a stop string, length)
+    shows all of that text up to the stop string, the part held back for a possible stop string included."""
     seq.output_ids.append(token)
     params = seq.params
+
+    def finish(reason, final):
+        delta = final[len(seq.text):] if len(final) > len(seq.text) else ""
+        seq.text = max(final, seq.text, key=len)
+        seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
+        return delta
+
+    text = tokenizer.decode(seq.output_ids).rstrip("\ufffd")
     if token in tokenizer.eos_ids and not params.ignore_eos:
-        seq.status, seq.finish_reason = SeqStatus.FINISHED, "stop"
-        return ""
-    text = tokenizer.decode(seq.output_ids)
+        return finish("stop", tokenizer.decode(seq.output_ids[:-1]).rstrip("\ufffd"))
     if params.stop:
         hits = [text.find(s) for s in params.stop if s and s in text]
         if hits:
-            cut = min(hits)
-            delta = text[len(seq.text):cut] if cut > len(seq.text) else ""
-            seq.text = text[:cut]
-            seq.status, seq.finish_reason = SeqStatus.FINISHED, "stop"
-            return delta
+            return finish("stop", text[:min(hits)])
     if len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= max_position:
-        seq.status, seq.finish_reason = SeqStatus.FINISHED, "length"
-        delta, seq.text = text[len(seq.text):], text
-        return delta
-    safe = len(text.rstrip("\ufffd"))
+        return finish("length", text)
+    safe = len(text)
     for s in params.stop:
         for k in range(min(len(s) - 1, safe), 0, -1):
             if text[:safe].endswith(s[:k]):
@@ -92,7 +95,7 @@ def test_engine_deltas_and_finish_match_the_full_decode_rule(which, tiny_model, 
         ours, ref = Sequence("o", [1], params), Sequence("r", [1], params)
         for t in ids:
             got = engine._append_token(ours, t)
-            want = old_append_token(tok, ref, t, model.config.max_position)
+            want = full_decode_rule(tok, ref, t, model.config.max_position)
             assert (got, ours.text, ours.status, ours.finish_reason) == (want, ref.text, ref.status, ref.finish_reason), \
                 (case, ids, stops)
             if ref.status is SeqStatus.FINISHED:

@@ -9,7 +9,13 @@ ASKED = RequestParams(Sampling(temperature=0.7, top_p=0.9, seed=-5, stop=("\n",)
                       endpoint="completions")
 
 
-@pytest.mark.parametrize("params", [RequestParams(), ASKED, RequestParams(Sampling(seed=3, stop=[]))])
+KNOBS = Sampling(temperature=0.8, seed=1, top_k=40, min_p=0.05, frequency_penalty=0.5, presence_penalty=-0.25,
+                 repetition_penalty=1.2, logit_bias=[(17, -100), (3, 2.5)], min_tokens=4, stop_token_ids=[2, 9],
+                 include_stop_str_in_output=True, ignore_eos=False)
+
+
+@pytest.mark.parametrize("params", [RequestParams(), ASKED, RequestParams(Sampling(seed=3, stop=[])),
+                                    RequestParams(KNOBS)])
 def test_the_stored_form_reads_back_as_itself(params):
     stored = params.to_dict()
     assert stored["v"] == VERSION and RequestParams.from_dict(stored) == params
@@ -35,10 +41,10 @@ def test_the_engine_samples_what_was_asked_and_its_defaults_for_the_rest():
 
 @pytest.mark.parametrize("stored, words", [
     ({"v": 2, "sampling": {}}, "version 2 are unknown"),
-    ({"v": 1, "sampling": {"top_k": 5}}, "malformed request parameters"),
+    ({"v": 1, "sampling": {"mirostat_tau": 5}}, "malformed request parameters"),
     ({"v": 1, "sampling": {}, "tenant": "someone"}, r"unknown fields \['tenant'\]"),
     ({"v": 1, "sampling": {}, "endpoint": "embeddings"}, "endpoint 'embeddings' is not one of"),
-    ({"frequency_penalty": 1.0}, "malformed request parameters"),
+    ({"typical_p": 1.0}, "malformed request parameters"),
     (["temperature", 0.7], "a JSON object, not list"),
 ])
 def test_anything_else_is_refused_by_name(stored, words):
@@ -49,3 +55,34 @@ def test_anything_else_is_refused_by_name(stored, words):
 def test_request_params_are_frozen():
     with pytest.raises(AttributeError):
         ASKED.user = "someone else"
+
+
+def test_every_sampling_knob_is_stored_and_reaches_the_engine():
+    stored = RequestParams(KNOBS).to_dict()
+    assert stored["sampling"]["logit_bias"] == [[17, -100.0], [3, 2.5]] and stored["sampling"]["stop_token_ids"] == [2, 9]
+    import json
+    back = RequestParams.from_dict(json.loads(json.dumps(stored)))  # as the row's JSON column gives it back
+    assert back == RequestParams(KNOBS)
+    sp = back.sampling_params(16, tenant="t")
+    assert (sp.top_k, sp.min_p, sp.frequency_penalty, sp.presence_penalty, sp.repetition_penalty) == \
+        (40, 0.05, 0.5, -0.25, 1.2)
+    assert sp.logit_bias == ((17, -100.0), (3, 2.5)) and sp.stop_token_ids == (2, 9)
+    assert (sp.min_tokens, sp.include_stop_str_in_output, sp.ignore_eos) == (4, True, False)
+
+
+def test_a_stored_form_from_before_the_knobs_reads_with_the_engine_defaults():
+    old = RequestParams.from_dict({"v": 1, "sampling": {"temperature": 0.5, "seed": 2}, "endpoint": "chat"})
+    assert old.sampling_params(8, tenant="") == SamplingParams(max_tokens=8, temperature=0.5, seed=2)
+
+
+@pytest.mark.parametrize("bad", [dict(top_k=-2), dict(min_p=1.5), dict(frequency_penalty=2.5),
+                                 dict(presence_penalty=-3), dict(repetition_penalty=0), dict(repetition_penalty=2.5),
+                                 dict(logit_bias=((1, 101),)), dict(logit_bias=((-1, 1),)), dict(min_tokens=9),
+                                 dict(min_tokens=-1), dict(stop_token_ids=(-3,))])
+def test_the_engine_refuses_knobs_out_of_range(bad):
+    with pytest.raises(ValueError):
+        SamplingParams(max_tokens=8, **bad)
+
+
+def test_top_k_minus_one_is_off():
+    assert SamplingParams(top_k=-1).top_k == 0
