@@ -76,10 +76,12 @@ REST_FRAMEWORK = {
     "UNAUTHENTICATED_USER": None,
 }
 
+KVSERVE_VERSION = "0.1.0"  # GET /version and the OpenAPI schema's version
+
 SPECTACULAR_SETTINGS = {
     "TITLE": "kvserve",
     "DESCRIPTION": "OpenAI-compatible chat completions on an ownership-guarded paged KV cache.",
-    "VERSION": "0.1.0",
+    "VERSION": KVSERVE_VERSION,
     "SERVE_INCLUDE_SCHEMA": False,
     "SERVE_PERMISSIONS": ["rest_framework.permissions.AllowAny"],
     "SERVE_AUTHENTICATION": [],
