@@ -88,7 +88,8 @@ class TopPField(StrictFloatField):
 class MessageSerializer(serializers.Serializer):
     role = serializers.ChoiceField(choices=["system", "user", "assistant"])
     content = MessageContentField()
-    name = TextField(required=False, max_length=256, help_text="Accepted and ignored.")
+    name = TextField(required=False, max_length=256, help_text="The participant's name; the served model's chat "
+                                                               "template has no place for it (not in the prompt).")
 
 
 class StreamOptionsSerializer(StrictSerializer):
@@ -113,6 +114,14 @@ class TokenLogprobSerializer(TopLogprobSerializer):
 class ChatLogprobsSerializer(serializers.Serializer):
     content = TokenLogprobSerializer(many=True)
     refusal = serializers.JSONField(allow_null=True, required=False)
+
+
+def validate_stream_options(data: dict) -> dict:
+    """stream_options without stream: true would do nothing, so it is a 400 (as OpenAI's and vLLM's)."""
+    if data.get("stream_options") is not None and not data.get("stream"):
+        raise serializers.ValidationError({"stream_options": serializers.ErrorDetail(
+            "stream_options is only allowed with stream: true.", code="invalid")})
+    return data
 
 
 class ChatCompletionsApi(ChatApiBase):
@@ -160,7 +169,7 @@ class ChatCompletionsApi(ChatApiBase):
             if data.get("top_logprobs") is not None and not data.get("logprobs"):
                 raise serializers.ValidationError({"top_logprobs": serializers.ErrorDetail(
                     "top_logprobs needs logprobs: true.", code="invalid")})
-            return data
+            return validate_stream_options(data)
 
     @extend_schema_serializer(component_name="ChatCompletion")
     class OutputSerializer(serializers.Serializer):
@@ -272,6 +281,7 @@ class CompletionsApi(ChatApiBase):
             return fields
 
         validate_top_p = ChatCompletionsApi.InputSerializer.validate_top_p
+        validate = staticmethod(validate_stream_options)
 
     @extend_schema_serializer(component_name="TextCompletion")
     class OutputSerializer(serializers.Serializer):

@@ -187,17 +187,19 @@ class DefaultOnlyField(serializers.Field):
         return value
 
 
+def _field_class(p: Param) -> type[DefaultOnlyField]:
+    # the enum inside allOf: drf-spectacular would otherwise turn each into a shared enum component
+    schema = {"allOf": [{"enum": [*p.accepts, None]}], "nullable": True,
+              "description": f"Accepted only at its default. {p.note}"}
+    return extend_schema_field(schema)(type(f"DefaultOnly_{p.name}", (DefaultOnlyField,), {}))
+
+
+_FIELD_CLASSES = {(e, p.name): _field_class(p) for p in REGISTRY if p.status == DEFAULT_ONLY for e in p.endpoints}
+
+
 def surface_fields(endpoint: str) -> dict[str, serializers.Field]:
     """Serializer fields documenting the endpoint's default_only parameters (their accepted values)."""
-    fields = {}
-    for p in surface_params(endpoint):
-        if p.status == DEFAULT_ONLY:
-            # the enum inside allOf: drf-spectacular would otherwise turn each into a shared enum component
-            schema = {"allOf": [{"enum": [*p.accepts, None]}], "nullable": True,
-                      "description": f"Accepted only at its default. {p.note}"}
-            field_class = extend_schema_field(schema)(type(f"DefaultOnly_{p.name}", (DefaultOnlyField,), {}))
-            fields[p.name] = field_class(required=False, allow_null=True)
-    return fields
+    return {name: cls(required=False, allow_null=True) for (e, name), cls in _FIELD_CLASSES.items() if e == endpoint}
 
 
 STATUS_SHOWN = {HONOURED: "honoured", DEFAULT_ONLY: "default only", REFUSED: "refused"}

@@ -119,6 +119,13 @@ def test_an_unknown_stream_option_is_a_400_naming_it(client, chat_env, key):
                  400, code="unknown_parameter", param="stream_options.extra")
 
 
+@pytest.mark.parametrize("endpoint", [CHAT, COMPLETIONS])
+def test_stream_options_without_stream_is_a_400(client, chat_env, key, endpoint):
+    assert_error(post(client, key, endpoint, {"stream_options": {"include_usage": True}}), 400, code="invalid",
+                 param="stream_options")
+    assert post(client, key, endpoint, {"stream": False, "stream_options": None}).status_code == 200
+
+
 def test_the_schema_lists_default_only_fields_with_their_values_and_no_refused_field(client):
     schema = client.get("/api/schema/", HTTP_ACCEPT="application/vnd.oai.openapi+json").json()
     props = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
