@@ -89,6 +89,8 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
+    "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums",
+                             "kvserve.chat.schema.closed_request_bodies"],
 }
 
 LOG_LEVEL = env_choice("KVSERVE_LOG_LEVEL", "info", ("debug", "info", "warning", "error", "critical")).upper()

@@ -132,6 +132,8 @@ def test_the_schema_lists_default_only_fields_with_their_values_and_no_refused_f
     assert props["store"]["allOf"] == [{"enum": [False, None]}] and props["n"]["allOf"] == [{"enum": [1, None]}]
     assert "audio" not in props and "guided_json" not in props
     assert "ignored" not in json.dumps(schema["components"]["schemas"]["ChatCompletionRequest"])
+    for name in ("ChatCompletionRequest", "CompletionRequest", "StreamOptions", "TokenizeRequest", "DetokenizeRequest"):
+        assert schema["components"]["schemas"][name]["additionalProperties"] is False, name  # unknown: a 400
 
 
 def test_the_readme_table_is_the_registry():
