@@ -19,18 +19,20 @@ class EventFormatError(ValueError):
 @dataclass(frozen=True)
 class Delta:
     """New text and, when the request asked for them, the log-probabilities of the token its step produced:
-    `[[token id, logprob, [[id, logprob], ...]]]` (a token's text may come in a later delta)."""
+    `[[token id, logprob, [[id, logprob], ...]]]` (a token's text may come in a later delta). `tokens`: the
+    completion tokens generated so far, this step's included (None from a writer that does not say)."""
 
     type: ClassVar[str] = "delta"
     text: str
     logprobs: list | None = None
+    tokens: int | None = None
 
     @classmethod
-    def step(cls, text: str, token: int | None = None, logprobs=None) -> "Delta":
+    def step(cls, text: str, token: int | None = None, logprobs=None, tokens: int | None = None) -> "Delta":
         """The delta of one engine step; `logprobs` as the engine gives them: (logprob, [(id, logprob), ...])."""
         if logprobs is None:
-            return cls(text)
-        return cls(text, [[token, logprobs[0], [list(t) for t in logprobs[1]]]])
+            return cls(text, tokens=tokens)
+        return cls(text, [[token, logprobs[0], [list(t) for t in logprobs[1]]]], tokens)
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,8 @@ def event_encode(event: OutputEvent) -> str:
         fields["text"] = event.text
         if event.logprobs is not None:
             fields["logprobs"] = event.logprobs
+        if event.tokens is not None:
+            fields["tokens"] = event.tokens
     elif isinstance(event, Done):
         if event.finish_reason is not None:
             fields["finish_reason"] = event.finish_reason
@@ -102,7 +106,8 @@ def event_decode(raw: str | bytes) -> OutputEvent:
         raise EventFormatError(f"unknown output event type {kind!r} (known: {sorted(_TYPES)})")
     try:
         if kind == "delta":
-            return Delta(str(fields["text"]), fields.get("logprobs"))
+            tokens = fields.get("tokens")
+            return Delta(str(fields["text"]), fields.get("logprobs"), None if tokens is None else int(tokens))
         if kind == "done":
             usage = fields.get("usage")
             return Done(fields.get("finish_reason"), None if usage is None else Usage(

@@ -489,7 +489,7 @@ class WorkerRuntime:
                 self._misroute_first_page(seq)
             self.metrics.on_token(rid, seq.is_done)
             if seq.text or cmd.first_logprobs:
-                self._publish([(rid, Delta.step(seq.text, cmd.first_token, cmd.first_logprobs))])
+                self._publish([(rid, Delta.step(seq.text, cmd.first_token, cmd.first_logprobs, len(seq.output_ids)))])
             if seq.is_done:
                 self._finish([seq], self._host.take_refused())
 
@@ -525,7 +525,7 @@ class WorkerRuntime:
             if seq.prefill_only and seq.status is SeqStatus.PREFILLED:
                 exported[seq.request_id] = prefill_export(e, seq, ev.logprobs)
             elif ev.text_delta or ev.logprobs:
-                out.append((seq.request_id, Delta.step(ev.text_delta, ev.token, ev.logprobs)))
+                out.append((seq.request_id, Delta.step(ev.text_delta, ev.token, ev.logprobs, len(seq.output_ids))))
             if ev.finished:
                 finished.append(seq)
         self._publish(out)

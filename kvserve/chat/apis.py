@@ -11,12 +11,13 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from kvserve.chat.fields import (LogitBiasField, MessageContentField, PromptField, StopField, StrictBooleanField,
-                                 StrictFloatField, StrictIntegerField, TextField, TokenIdListField)
+                                 StrictFloatField, StrictIntegerField, StrictSerializer, TextField, TokenIdListField)
 from kvserve.chat.disconnect import client_gone
 from kvserve.chat.models import ChatRequest
 from kvserve.chat.outputs import completion_chunks, completion_wait, output_stream_exists, sse_response
 from kvserve.chat.parsers import LimitedJSONParser
 from kvserve.chat.shapes import shape_for
+from kvserve.chat.surface import CHAT, COMPLETIONS, surface_check, surface_fields
 from kvserve.chat.schema import SSE_EVENT_SCHEMA, error_responses
 from kvserve.chat.selectors import chat_request_get_for_tenant, model_get, model_get_by_id, served_window_get
 from kvserve.chat.services import chat_request_create
@@ -138,43 +139,15 @@ class RepetitionPenaltyField(StrictFloatField):
 class MessageSerializer(serializers.Serializer):
     role = serializers.ChoiceField(choices=["system", "user", "assistant"])
     content = MessageContentField()
-    name = TextField(required=False, max_length=256, help_text="Accepted and ignored.")
+    name = TextField(required=False, max_length=256, help_text="The participant's name; the served model's chat "
+                                                               "template has no place for it (not in the prompt).")
 
 
-class StreamOptionsSerializer(serializers.Serializer):
-    include_usage = StrictBooleanField(required=False, default=False)
-
-
-@extend_schema_field({"type": "integer", "minimum": 1, "maximum": 1, "nullable": True,
-                      "description": "Choices to generate: only 1 is supported (n > 1 is a 400 naming `n`)."})
-class ChoiceCountField(StrictIntegerField):
-    pass
-
-
-def validate_one_choice(value, param: str):
-    if value not in (None, 1):
-        raise serializers.ValidationError(f"{param} > 1 is not supported: this server returns one choice.",
-                                          code="unsupported_value")
-    return value
-
-
-@extend_schema_field({"type": "object", "nullable": True, "required": ["type"],
-                      "properties": {"type": {"type": "string", "enum": ["text"]}},
-                      "description": "Only `{\"type\": \"text\"}` (the default); JSON modes are a 400 naming "
-                                     "`response_format`."})
-class ResponseFormatField(serializers.Field):
-    default_error_messages = {"unsupported": "response_format {kind!r} is not supported: only {{\"type\": \"text\"}} "
-                                             "(plain text) is."}
-
-    def to_internal_value(self, data):
-        kind = data.get("type") if isinstance(data, dict) else data
-        if kind != "text":
-            raise serializers.ValidationError(self.error_messages["unsupported"].format(kind=kind),
-                                              code="unsupported_value")
-        return data
-
-    def to_representation(self, value):
-        return value
+class StreamOptionsSerializer(StrictSerializer):
+    include_usage = StrictBooleanField(required=False, default=False,
+                                       help_text="A last chunk with the request's usage (and no choices).")
+    continuous_usage_stats = StrictBooleanField(required=False, default=False,
+                                                help_text="vLLM's: every chunk carries `usage` so far.")
 
 
 class TopLogprobSerializer(serializers.Serializer):
@@ -198,10 +171,19 @@ def chat_max_tokens(data: dict) -> int:
     return data.get("max_completion_tokens") or data.get("max_tokens") or settings.KVSERVE_DEFAULT_MAX_TOKENS
 
 
+def validate_stream_options(data: dict) -> dict:
+    """stream_options without stream: true would do nothing, so it is a 400 (as OpenAI's and vLLM's)."""
+    if data.get("stream_options") is not None and not data.get("stream"):
+        raise serializers.ValidationError({"stream_options": serializers.ErrorDetail(
+            "stream_options is only allowed with stream: true.", code="invalid")})
+    return data
+
+
 class ChatCompletionsApi(ChatApiBase):
     @extend_schema_serializer(component_name="ChatCompletionRequest")
     class InputSerializer(serializers.Serializer):
-        """OpenAI's request body; fields not listed here are ignored."""
+        """OpenAI's request body. Fields at their default only are listed with the values they take; any other
+        field (or value) is a 400 naming it (kvserve/chat/surface.py)."""
 
         model = TextField(required=False, allow_null=True, max_length=256,
                           help_text="The served model's id (GET /v1/models); omitted means that model.")
@@ -215,7 +197,6 @@ class ChatCompletionsApi(ChatApiBase):
         stop = StopField(required=False, allow_null=True)
         stream = StrictBooleanField(required=False, allow_null=True, default=False)
         stream_options = StreamOptionsSerializer(required=False, allow_null=True)
-        n = ChoiceCountField(required=False, allow_null=True, min_value=1)
         user = TextField(required=False, allow_null=True, max_length=256,
                          help_text="Narrows prefix-cache sharing: cached prompt pages are reused only within "
                                    "the same tenant and user.")
@@ -223,10 +204,9 @@ class ChatCompletionsApi(ChatApiBase):
                                       help_text="Return each output token's log-probability (choices[].logprobs).")
         top_logprobs = StrictIntegerField(required=False, allow_null=True, min_value=0, max_value=MAX_TOP_LOGPROBS,
                                           help_text="With logprobs: the most likely alternatives per token, 0..20.")
-        response_format = ResponseFormatField(required=False, allow_null=True)
 
         def get_fields(self):
-            fields = super().get_fields()
+            fields = {**super().get_fields(), **surface_fields(CHAT)}
             window = served_window_get()  # per request, from live registrations: never a second config
             for name in ("max_tokens", "max_completion_tokens"):
                 fields[name] = StrictIntegerField(
@@ -241,14 +221,12 @@ class ChatCompletionsApi(ChatApiBase):
                 raise serializers.ValidationError("Ensure this value is greater than 0.", code="min_value")
             return value
 
-        validate_n = staticmethod(lambda value: validate_one_choice(value, "n"))
-
         def validate(self, data):
             if data.get("top_logprobs") is not None and not data.get("logprobs"):
                 raise serializers.ValidationError({"top_logprobs": serializers.ErrorDetail(
                     "top_logprobs needs logprobs: true.", code="invalid")})
             validate_min_tokens(data, chat_max_tokens(data))
-            return data
+            return validate_stream_options(data)
 
     @extend_schema_serializer(component_name="ChatCompletion")
     class OutputSerializer(serializers.Serializer):
@@ -287,6 +265,7 @@ class ChatCompletionsApi(ChatApiBase):
                     "A failure on the workers is a 503 `server_error` with the failure's code (never a 200).",
     )
     def post(self, request):
+        surface_check(CHAT, request.data)
         serializer = self.InputSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         data = serializer.validated_data
@@ -305,9 +284,11 @@ class ChatCompletionsApi(ChatApiBase):
                            code="invalid_messages")
         db_connection_release()
         if stream:
-            include_usage = bool((data.get("stream_options") or {}).get("include_usage"))
-            return sse_response(completion_chunks(req, include_usage=include_usage, fingerprint=model["fingerprint"],
-                                                  ends_request=True, shape=shape_for(params)))
+            options = data.get("stream_options") or {}
+            return sse_response(completion_chunks(req, include_usage=bool(options.get("include_usage")),
+                                                  continuous_usage=bool(options.get("continuous_usage_stats")),
+                                                  fingerprint=model["fingerprint"], ends_request=True,
+                                                  shape=shape_for(params)))
         answer = completion_wait(req, fingerprint=model["fingerprint"], gone=client_gone(request),
                                  shape=shape_for(params))
         return Response(self.OutputSerializer(answer).data)
@@ -327,7 +308,8 @@ class CompletionsApi(ChatApiBase):
 
     @extend_schema_serializer(component_name="CompletionRequest")
     class InputSerializer(serializers.Serializer):
-        """OpenAI's request body; fields not listed here are ignored."""
+        """OpenAI's request body. Fields at their default only are listed with the values they take; any other
+        field (or value) is a 400 naming it (kvserve/chat/surface.py)."""
 
         model = TextField(required=False, allow_null=True, max_length=256,
                           help_text="The served model's id (GET /v1/models); omitted means that model.")
@@ -339,19 +321,14 @@ class CompletionsApi(ChatApiBase):
         stop = StopField(required=False, allow_null=True)
         stream = StrictBooleanField(required=False, allow_null=True, default=False)
         stream_options = StreamOptionsSerializer(required=False, allow_null=True)
-        n = ChoiceCountField(required=False, allow_null=True, min_value=1)
-        best_of = ChoiceCountField(required=False, allow_null=True, min_value=1)
         logprobs = StrictIntegerField(required=False, allow_null=True, min_value=0, max_value=5,
                                       help_text="Return each token's log-probability and this many alternatives.")
-        echo = StrictBooleanField(required=False, allow_null=True, default=False,
-                                  help_text="Only false: echoing the prompt is not supported.")
-        suffix = TextField(required=False, allow_null=True, max_length=0, help_text="Not supported (null or empty).")
         user = TextField(required=False, allow_null=True, max_length=256,
                          help_text="Narrows prefix-cache sharing: cached prompt pages are reused only within "
                                    "the same tenant and user.")
 
         def get_fields(self):
-            fields = super().get_fields()
+            fields = {**super().get_fields(), **surface_fields(COMPLETIONS)}
             window = served_window_get()
             fields["prompt"] = PromptField(vocab_size=tokenizer_get()[0].vocab_size)
             fields["max_tokens"] = StrictIntegerField(
@@ -363,17 +340,9 @@ class CompletionsApi(ChatApiBase):
 
         def validate(self, data):
             validate_min_tokens(data, data.get("max_tokens") or COMPLETIONS_DEFAULT_MAX_TOKENS)
-            return data
+            return validate_stream_options(data)
 
         validate_top_p = ChatCompletionsApi.InputSerializer.validate_top_p
-        validate_n = staticmethod(lambda value: validate_one_choice(value, "n"))
-        validate_best_of = staticmethod(lambda value: validate_one_choice(value, "best_of"))
-
-        def validate_echo(self, value):
-            if value:
-                raise serializers.ValidationError("echo is not supported: the answer holds the completion only.",
-                                                  code="unsupported_value")
-            return value
 
     @extend_schema_serializer(component_name="TextCompletion")
     class OutputSerializer(serializers.Serializer):
@@ -406,6 +375,7 @@ class CompletionsApi(ChatApiBase):
                     "errors, throttling and tenancy are those of chat completions.",
     )
     def post(self, request):
+        surface_check(COMPLETIONS, request.data)
         serializer = self.InputSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         data = serializer.validated_data
@@ -418,9 +388,10 @@ class CompletionsApi(ChatApiBase):
         db_connection_release()
         shape = shape_for(params)
         if stream:
-            include_usage = bool((data.get("stream_options") or {}).get("include_usage"))
-            return sse_response(completion_chunks(req, include_usage=include_usage, fingerprint=model["fingerprint"],
-                                                  ends_request=True, shape=shape))
+            options = data.get("stream_options") or {}
+            return sse_response(completion_chunks(req, include_usage=bool(options.get("include_usage")),
+                                                  continuous_usage=bool(options.get("continuous_usage_stats")),
+                                                  fingerprint=model["fingerprint"], ends_request=True, shape=shape))
         answer = completion_wait(req, fingerprint=model["fingerprint"], gone=client_gone(request), shape=shape)
         return Response(self.OutputSerializer(answer).data)
 

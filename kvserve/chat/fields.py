@@ -6,6 +6,19 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 
+class StrictSerializer(serializers.Serializer):
+    """A JSON object whose keys are all fields of the serializer: any other key is a 400 naming it
+    (`unknown_parameter`), never silently dropped."""
+
+    def to_internal_value(self, data):
+        unknown = [key for key in data if key not in self.fields] if isinstance(data, dict) else []
+        if unknown:
+            raise serializers.ValidationError({unknown[0]: [serializers.ErrorDetail(
+                f"Unknown parameter '{unknown[0]}' (known here: {', '.join(self.fields)}).",
+                code="unknown_parameter")]})
+        return super().to_internal_value(data)
+
+
 def _check_text(field: serializers.Field, value: str) -> str:
     try:
         value.encode("utf-8")

@@ -114,20 +114,28 @@ def _sse(payload: dict | str) -> bytes:
 
 
 async def completion_chunks(req: ChatRequest, *, include_usage: bool, fingerprint: str = "",
-                            ends_request: bool = False, shape=CHAT) -> AsyncIterator[bytes]:
+                            ends_request: bool = False, shape=CHAT,
+                            continuous_usage: bool = False) -> AsyncIterator[bytes]:
     """The request's events as SSE chunks (chat.completion.chunk by default): a role chunk (chat), content
     chunks, a chunk with the finish_reason, a usage chunk when asked, then `[DONE]`. A failure is
     `data: {"error": {...}}` then `[DONE]`. Reads with redis.asyncio on the event loop; its own connection
     closes with the stream.
+    `continuous_usage` (vLLM's stream_options.continuous_usage_stats): every chunk carries `usage`, the
+    completion tokens generated so far (the workers count them on each delta), the final usage on the last.
     `ends_request`: this is the response that created the request, and when it stops before the final
     event (client gone, timeout, Redis lost) the request ends too (a replay's reader ends nothing)."""
     timeout_s, keepalive_s = settings.KVSERVE_RESPONSE_TIMEOUT_S, max(1, settings.KVSERVE_SSE_KEEPALIVE_S)
     base = {"id": req.id, "object": shape.chunk_object(), "created": int(req.created_at.timestamp()),
             "model": req.model, "system_fingerprint": fingerprint}
     sent = 0  # characters of text sent so far (text offsets of legacy logprobs)
+    generated = 0  # completion tokens so far, as the last delta counted them
 
-    def chunk(choice: dict) -> bytes:
-        return _sse({**base, "choices": [choice]})
+    def chunk(choice: dict, usage: dict | None = None) -> bytes:
+        if not continuous_usage:
+            return _sse({**base, "choices": [choice]})
+        usage = usage or {"prompt_tokens": req.prompt_tokens, "completion_tokens": generated,
+                          "total_tokens": req.prompt_tokens + generated}
+        return _sse({**base, "choices": [choice], "usage": usage})
 
     def error(event: Error) -> bytes:
         exc = event_error(event)
@@ -149,11 +157,12 @@ async def completion_chunks(req: ChatRequest, *, include_usage: bool, fingerprin
                 if event is None:
                     yield b": keep-alive\n\n"
                 elif isinstance(event, Delta):
+                    generated = event.tokens if event.tokens is not None else generated
                     if event.text or event.logprobs:
                         yield chunk(shape.delta(event.text, event.logprobs or [], sent))
                         sent += len(event.text)
                 elif isinstance(event, Done):
-                    yield chunk(shape.finish(event.finish_reason or "stop"))
+                    yield chunk(shape.finish(event.finish_reason or "stop"), _usage(event.usage, req))
                     if include_usage:
                         yield _sse({**base, "choices": [], "usage": _usage(event.usage, req)})
                 else:

@@ -1,4 +1,5 @@
-"""OpenAPI pieces shared by the chat endpoints: the Bearer security scheme and the error body."""
+"""OpenAPI pieces shared by the chat endpoints: the Bearer security scheme, the error body, and the request bodies
+marked closed (`additionalProperties: false`: a field they do not list is a 400, kvserve/chat/surface.py)."""
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework import serializers
 
@@ -38,3 +39,17 @@ SSE_EVENT_SCHEMA = {
         "retry": {"type": "integer"},
     },
 }
+
+
+# Request bodies whose every key is checked: the registry's (surface_check) or a StrictSerializer's.
+CLOSED_REQUEST_BODIES = ("ChatCompletionRequest", "CompletionRequest", "StreamOptions", "TokenizeRequest",
+                         "DetokenizeRequest")
+
+
+def closed_request_bodies(result, generator, request, public):
+    """drf-spectacular postprocessing hook: the closed request bodies say so in the schema."""
+    schemas = result.get("components", {}).get("schemas", {})
+    for name in CLOSED_REQUEST_BODIES:
+        if name in schemas:
+            schemas[name]["additionalProperties"] = False
+    return result

@@ -67,6 +67,20 @@ def prompts_tokenized() -> int:
     return _prompts_tokenized.value
 
 
+def chat_prompt_render(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    """The prompt text of a conversation: the model's chat template, as admission renders it (and /tokenize)."""
+    return tokenizer.render_chat(messages, add_generation_prompt=add_generation_prompt)
+
+
+def prompt_tokenize(*, messages: list[dict] | None = None, prompt: str | None = None,
+                    add_generation_prompt: bool = True) -> list[int]:
+    """POST /tokenize: the token ids admission would give these messages (or this raw prompt), the same
+    rendering and encoding, so their count is the request's usage.prompt_tokens."""
+    tokenizer = tokenizer_get()[0]
+    text = prompt if messages is None else chat_prompt_render(tokenizer, messages, add_generation_prompt)
+    return _prompt_encode(tokenizer, text)
+
+
 def prompt_hash(prompt: str) -> str:
     """HMAC-SHA256 of the rendered prompt under the deployment's KVSERVE_PROMPT_HASH_KEY: equal prompts
     compare equal, but nobody without the key can confirm a guessed (short) prompt against a stored hash."""
@@ -96,7 +110,7 @@ def chat_request_create(*, api_key, messages: list[dict] | None = None, prompt: 
     tokenizer, _, model_name = tokenizer_get()
     token_ids = None
     if messages is not None:
-        text, param, id_prefix = tokenizer.render_chat(messages), "messages", "chatcmpl"
+        text, param, id_prefix = chat_prompt_render(tokenizer, messages), "messages", "chatcmpl"
     elif isinstance(prompt, str):
         text, param, id_prefix = prompt, "prompt", "cmpl"
     else:  # token ids: used as they are, hashed as their JSON

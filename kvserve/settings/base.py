@@ -76,10 +76,12 @@ REST_FRAMEWORK = {
     "UNAUTHENTICATED_USER": None,
 }
 
+KVSERVE_VERSION = "0.1.0"  # GET /version and the OpenAPI schema's version
+
 SPECTACULAR_SETTINGS = {
     "TITLE": "kvserve",
     "DESCRIPTION": "OpenAI-compatible chat completions on an ownership-guarded paged KV cache.",
-    "VERSION": "0.1.0",
+    "VERSION": KVSERVE_VERSION,
     "SERVE_INCLUDE_SCHEMA": False,
     "SERVE_PERMISSIONS": ["rest_framework.permissions.AllowAny"],
     "SERVE_AUTHENTICATION": [],
@@ -87,6 +89,8 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
+    "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums",
+                             "kvserve.chat.schema.closed_request_bodies"],
 }
 
 LOG_LEVEL = env_choice("KVSERVE_LOG_LEVEL", "info", ("debug", "info", "warning", "error", "critical")).upper()

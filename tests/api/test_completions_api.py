@@ -68,7 +68,7 @@ def test_streamed_completion_chunks_and_usage(client, chat_env, key):
     ({"prompt": "hi", "best_of": 3}, "best_of", "unsupported_value"),
     ({"prompt": "hi", "echo": True}, "echo", "unsupported_value"),
     ({"prompt": "hi", "logprobs": 6}, "logprobs", "max_value"),
-    ({"prompt": "hi", "suffix": "the end"}, "suffix", "max_length"),
+    ({"prompt": "hi", "suffix": "the end"}, "suffix", "unsupported_value"),
     ({"prompt": "hi", "max_tokens": "5"}, "max_tokens", "invalid"),
 ])
 def test_bad_completion_requests_are_clear_400s_and_queue_nothing(client, chat_env, key, body, param, code):

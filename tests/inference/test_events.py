@@ -6,7 +6,7 @@ import pytest
 
 from inference.events import VERSION, Delta, Done, Error, EventFormatError, Usage, event_decode, event_encode, is_final
 
-EVENTS = [Delta("Hel"), Delta("", [[7, -0.25, [[7, -0.25], [9, -2.5]]]]), Done(), Done("length", Usage(40, 10, 16)),
+EVENTS = [Delta("Hel"), Delta("", [[7, -0.25, [[7, -0.25], [9, -2.5]]]]), Delta("lo", tokens=3), Done(), Done("length", Usage(40, 10, 16)),
           Error("lease_lost", "the request's page lease expired")]
 
 
@@ -18,7 +18,7 @@ def test_every_event_reads_back_as_itself(event):
 
 
 def test_only_done_and_error_are_final():
-    assert [is_final(e) for e in EVENTS] == [False, False, True, True, True]
+    assert [is_final(e) for e in EVENTS] == [False, False, False, True, True, True]
 
 
 def test_the_unversioned_form_reads_as_version_1():
@@ -32,6 +32,8 @@ def test_the_unversioned_form_reads_as_version_1():
 def test_a_delta_of_an_engine_step_carries_its_token_and_alternatives():
     assert Delta.step("x") == Delta("x")
     assert Delta.step("x", 5, (-0.5, [(5, -0.5), (6, -1.5)])) == Delta("x", [[5, -0.5, [[5, -0.5], [6, -1.5]]]])
+    assert Delta.step("x", 5, None, 4) == Delta("x", tokens=4)  # the completion tokens so far
+    assert json.loads(event_encode(Delta("x", tokens=4)))["tokens"] == 4 and "tokens" not in event_encode(Delta("x"))
 
 
 @pytest.mark.parametrize("wire, words", [

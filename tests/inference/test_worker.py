@@ -49,6 +49,8 @@ def test_prefill_then_decode_across_runtimes_matches_the_engine_alone(runtimes, 
     decode.ledger.check_integrity()
     events = list(decode.outputs.read("r1", timeout_s=5))
     assert isinstance(events[-1], Done) and events[-1].usage.completion_tokens == 10
+    counts = [e.tokens for e in events if isinstance(e, Delta)]  # completion tokens so far, on every delta
+    assert counts == sorted(set(counts)) and counts[0] >= 1 and counts[-1] <= 10 and len(counts) > 1
     (record,) = decode.outputs.read_records({"r1"})
     assert set(record["owners"]) == {"r1"} and record["page_epochs"] == record["epochs"]
 
