@@ -46,10 +46,10 @@ REGISTRY: tuple[Param, ...] = (
     P("messages", CHAT, H, "The conversation (system, user, assistant), rendered with the model's chat template.", proof=f"{CHAT_API}::test_non_stream_completion_is_openai_shaped"),
     P("model", BOTH, H, "The served model's id (GET /v1/models); optional; any other is a 404 model_not_found.", proof=f"{CHAT_API}::test_unknown_model_is_404"),
     P("audio", CHAT, R, "Audio output is not supported: this server returns text.", example={"voice": "alloy", "format": "wav"}),
-    P("frequency_penalty", BOTH, D, "Penalties are not supported yet: leave it out.", accepts=(0,), example=0.5),  # -> honoured by sampling
+    P("frequency_penalty", BOTH, H, "-2..2: each output token's logit lowered by this times its count so far (OpenAI's).", proof="tests/inference/test_sampling_model.py::test_each_penalty_changes_a_repetitive_reply"),
     P("function_call", CHAT, R, "Deprecated function calling is not supported: leave it out.", example="auto"),
     P("functions", CHAT, R, "Deprecated function calling is not supported: leave it out.", example=[{"name": "f"}]),
-    P("logit_bias", BOTH, D, "logit_bias is not supported yet: leave it out.", accepts=({},), example={"50256": -100}),  # -> honoured by sampling
+    P("logit_bias", BOTH, H, "Token id -> -100..100 added to its logit before sampling (-100 bans, +100 forces).", proof="tests/inference/test_sampling_model.py::test_logit_bias_minus_100_on_the_greedy_first_token_changes_it"),
     P("logprobs", CHAT, H, "true: each output token's log-probability (choices[].logprobs.content).", proof=f"{COMPLETIONS_API}::test_chat_logprobs_in_openai_shape"),
     P("logprobs", COMPLETIONS, H, "0..5: the legacy logprobs shape with this many alternatives per token.", proof=f"{COMPLETIONS_API}::test_completion_logprobs_in_the_legacy_shape"),
     P("max_completion_tokens", CHAT, H, "Tokens to generate (wins over max_tokens).", proof=f"{CHAT_API}::test_max_completion_tokens_wins_over_max_tokens"),
@@ -59,7 +59,7 @@ REGISTRY: tuple[Param, ...] = (
     P("n", BOTH, D, "n > 1 is not supported yet: this server returns one choice; send n requests.", accepts=(1,), example=2),  # -> honoured by nbest
     P("parallel_tool_calls", CHAT, D, f"Meaningless without tools; {NO_TOOLS}.", accepts=(True, False), example="yes"),  # -> honoured by grammar
     P("prediction", CHAT, R, "Predicted outputs are not supported: leave it out.", example={"type": "content", "content": "x"}),
-    P("presence_penalty", BOTH, D, "Penalties are not supported yet: leave it out.", accepts=(0,), example=0.5),  # -> honoured by sampling
+    P("presence_penalty", BOTH, H, "-2..2: each token already in the output lowered by this (OpenAI's).", proof="tests/inference/test_sampling_model.py::test_each_penalty_changes_a_repetitive_reply"),
     P("prompt_cache_key", CHAT, R, "The prefix cache is per tenant already; send `user` to narrow it further.", example="k"),
     P("reasoning_effort", CHAT, R, "The served model does not reason: leave it out.", example="low"),
     P("response_format", BOTH, D, f"Only {{\"type\": \"text\"}}: {NO_GRAMMAR}.", accepts=({"type": "text"},), example={"type": "json_object"}),  # -> honoured by grammar
@@ -85,14 +85,14 @@ REGISTRY: tuple[Param, ...] = (
     P("suffix", COMPLETIONS, D, "Insertion (a suffix) is not supported: only an empty suffix.", accepts=("",), example="the end"),
     # ---- vLLM's extra parameters
     P("use_beam_search", BOTH, D, "Beam search is not supported: sample, or send n requests.", accepts=(False,), example=True),
-    P("top_k", BOTH, D, "top_k is not supported yet: use top_p.", accepts=(0, -1), example=1),  # -> honoured by sampling
-    P("min_p", BOTH, D, "min_p is not supported yet: use top_p.", accepts=(0,), example=0.1),  # -> honoured by sampling
-    P("repetition_penalty", BOTH, D, "Penalties are not supported yet: leave it out.", accepts=(1,), example=1.3),  # -> honoured by sampling
+    P("top_k", BOTH, H, "Sample among the k most likely tokens (0 or -1: all); 1 is greedy.", proof="tests/inference/test_sampling_model.py::test_top_k_1_at_temperature_1_5_is_greedy"),
+    P("min_p", BOTH, H, "0..1: keep tokens at least this times the most likely one's probability.", proof="tests/inference/test_sampling_model.py::test_min_p_near_1_at_high_temperature_is_greedy"),
+    P("repetition_penalty", BOTH, H, "> 0 (1: off): logits of prompt and output tokens divided (positive) or multiplied (negative) by it (vLLM's).", proof="tests/inference/test_sampling_model.py::test_each_penalty_changes_a_repetitive_reply"),
     P("length_penalty", BOTH, D, "Applies to beam search only, which is not supported.", accepts=(1,), example=0.5),
-    P("stop_token_ids", BOTH, D, "stop_token_ids are not supported yet: use stop strings.", accepts=([],), example=[13]),  # -> honoured by sampling
-    P("include_stop_str_in_output", BOTH, D, "Not supported yet: the stop string is never included.", accepts=(False,), example=True),  # -> honoured by sampling
-    P("ignore_eos", BOTH, D, "Not supported yet: generation ends at the end-of-sequence token.", accepts=(False,), example=True),  # -> honoured by sampling
-    P("min_tokens", BOTH, D, "min_tokens is not supported yet: leave it out.", accepts=(0,), example=20),  # -> honoured by sampling
+    P("stop_token_ids", BOTH, H, "Token ids that end the answer (finish_reason stop), their text left out.", proof="tests/inference/test_sampling_model.py::test_stop_token_ids_end_the_answer_without_their_text"),
+    P("include_stop_str_in_output", BOTH, H, "Keep the stop string that ended the answer in its text.", proof="tests/inference/test_sampling_model.py::test_include_stop_str_in_output_keeps_the_stop_string"),
+    P("ignore_eos", BOTH, H, "Generate past the end-of-sequence token, to max_tokens.", proof="tests/inference/test_sampling_model.py::test_ignore_eos_runs_to_max_tokens"),
+    P("min_tokens", BOTH, H, "At least this many tokens before end-of-sequence or stop_token_ids may end the answer (<= max tokens).", proof="tests/inference/test_sampling_model.py::test_min_tokens_holds_the_end_back"),
     P("skip_special_tokens", BOTH, D, "Special tokens are always left out of the text.", accepts=(True,), example=False),
     P("spaces_between_special_tokens", BOTH, D, "Special tokens are never in the text.", accepts=(True,), example=False),
     P("truncate_prompt_tokens", BOTH, R, "Prompts are never truncated: shorten it (an overlong one is a 400 context_length_exceeded).", example=100),
