@@ -25,6 +25,7 @@ class Sampling:
     seed: int | None = None  # fixed at admission, so that any worker samples the same stream
     stop: tuple[str, ...] | None = None
     logprobs: int | None = None  # each token's log-probability and this many alternatives; None: not asked
+    structured: dict | None = None  # a structured-output spec (inference/grammar.py): the output obeys its grammar
 
     def __post_init__(self):
         if self.stop is not None:
@@ -49,7 +50,7 @@ class RequestParams:
         s = self.sampling
         return SamplingParams(max_tokens=max_tokens, temperature=0.0 if s.temperature is None else s.temperature,
                               top_p=1.0 if s.top_p is None else s.top_p, seed=s.seed, stop=s.stop or (),
-                              logprobs=s.logprobs, tenant=tenant)
+                              logprobs=s.logprobs, tenant=tenant, structured=s.structured)
 
     def to_dict(self) -> dict:
         """The stored form: `{"v": 1, "sampling": {the choices set}, "user"?, "endpoint"}`."""

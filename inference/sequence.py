@@ -17,6 +17,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none computed; n: each token's log-probability and the n most likely
     tenant: str = ""  # who asked: the engine's waiting queue takes turns between tenants (inference.fair_queue)
+    structured: dict | None = None  # a structured-output spec (inference.grammar): every token obeys its grammar
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -66,6 +67,7 @@ class Sequence:
         self.transfer_ms: float | None = None  # time to pull the handoff's KV (decode side)
         self.read_record: dict | None = None  # set when the sequence finishes (BlockManager.read_record)
         self.num_preemptions = 0  # times its pages were taken back and it was recomputed
+        self.grammar = None  # its structured-output matcher (inference.grammar.SeqGrammar), when params.structured
 
     @property
     def tenant(self) -> str:
