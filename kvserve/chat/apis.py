@@ -17,6 +17,7 @@ from kvserve.chat.models import ChatRequest
 from kvserve.chat.outputs import completion_chunks, completion_wait, output_stream_exists, sse_response
 from kvserve.chat.parsers import LimitedJSONParser
 from kvserve.chat.shapes import shape_for
+from kvserve.chat.structured import structured_compile_check, structured_validate
 from kvserve.chat.schema import SSE_EVENT_SCHEMA, error_responses
 from kvserve.chat.selectors import chat_request_get_for_tenant, model_get, model_get_by_id, served_window_get
 from kvserve.chat.services import chat_request_create
@@ -43,7 +44,7 @@ def request_sampling(data: dict, logprobs: int | None) -> Sampling:
     if top_p is not None and top_p < MIN_TOP_P:
         top_p = MIN_TOP_P
     return Sampling(temperature=temperature, top_p=top_p, seed=data.get("seed"), stop=data.get("stop"),
-                    logprobs=logprobs)
+                    logprobs=logprobs, structured=data.get("structured"))
 
 
 def db_connection_release() -> None:
@@ -84,10 +85,35 @@ class TopPField(StrictFloatField):
     pass
 
 
+class ToolCallFunctionSerializer(serializers.Serializer):
+    name = TextField(max_length=64)
+    arguments = TextField(help_text="The arguments object as a JSON string.")
+
+
+class ToolCallSerializer(serializers.Serializer):
+    id = TextField(required=False, max_length=256)
+    type = serializers.ChoiceField(choices=["function"], required=False, default="function")
+    function = ToolCallFunctionSerializer()
+
+
 class MessageSerializer(serializers.Serializer):
-    role = serializers.ChoiceField(choices=["system", "user", "assistant"])
-    content = MessageContentField()
+    role = serializers.ChoiceField(choices=["system", "user", "assistant", "tool"])
+    content = MessageContentField(required=False, allow_null=True)
     name = TextField(required=False, max_length=256, help_text="Accepted and ignored.")
+    tool_calls = ToolCallSerializer(many=True, required=False, allow_null=True,
+                                    help_text="An assistant turn's calls, shown to the model as <tool_call> blocks.")
+    tool_call_id = TextField(required=False, allow_null=True, max_length=256,
+                             help_text="A tool turn's call id (its content is shown as a <tool_response>).")
+
+    def validate(self, data):
+        if data.get("content") is None and not (data["role"] == "assistant" and data.get("tool_calls")):
+            code = "null" if "content" in data else "required"
+            raise serializers.ValidationError({"content": serializers.ErrorDetail(
+                "content is required (it may be null only in an assistant turn with tool_calls).", code=code)})
+        if data.get("tool_calls") and data["role"] != "assistant":
+            raise serializers.ValidationError({"tool_calls": serializers.ErrorDetail(
+                "Only an assistant turn has tool_calls.", code="invalid")})
+        return data
 
 
 class StreamOptionsSerializer(serializers.Serializer):
@@ -107,23 +133,34 @@ def validate_one_choice(value, param: str):
     return value
 
 
-@extend_schema_field({"type": "object", "nullable": True, "required": ["type"],
-                      "properties": {"type": {"type": "string", "enum": ["text"]}},
-                      "description": "Only `{\"type\": \"text\"}` (the default); JSON modes are a 400 naming "
-                                     "`response_format`."})
-class ResponseFormatField(serializers.Field):
-    default_error_messages = {"unsupported": "response_format {kind!r} is not supported: only {{\"type\": \"text\"}} "
-                                             "(plain text) is."}
+def constraint_field(description: str, schema: dict | None = None) -> serializers.JSONField:
+    """A structured-output field, read by kvserve/chat/structured.py (which names the field in every 400)."""
+    field = extend_schema_field({**(schema or {}), "nullable": True, "description": description})(serializers.JSONField)
+    return field(required=False, allow_null=True)
 
-    def to_internal_value(self, data):
-        kind = data.get("type") if isinstance(data, dict) else data
-        if kind != "text":
-            raise serializers.ValidationError(self.error_messages["unsupported"].format(kind=kind),
-                                              code="unsupported_value")
-        return data
 
-    def to_representation(self, value):
-        return value
+def response_format_field():
+    return constraint_field("`{\"type\": \"text\"}` (the default), `{\"type\": \"json_object\"}` or `{\"type\": "
+                            "\"json_schema\", \"json_schema\": {\"name\", \"schema\", \"strict\"}}`: the output is "
+                            "constrained to parse (and validate against the schema).",
+                            {"type": "object", "required": ["type"],
+                             "properties": {"type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+                                            "json_schema": {"type": "object"}}})
+
+
+def guided_fields() -> dict:
+    """vLLM's structured-output fields, on chat and completions alike."""
+    return {
+        "response_format": response_format_field(),
+        "structured_outputs": constraint_field("vLLM's: exactly one of json (schema), regex, choice, grammar (EBNF), "
+                                               "json_object.", {"type": "object"}),
+        "guided_json": constraint_field("vLLM's: the output validates against this JSON schema."),
+        "guided_regex": constraint_field("vLLM's: the output matches this regex.", {"type": "string"}),
+        "guided_choice": constraint_field("vLLM's: the output is one of these strings.",
+                                          {"type": "array", "items": {"type": "string"}}),
+        "guided_grammar": constraint_field("vLLM's: the output follows this EBNF grammar (root rule `root`).",
+                                           {"type": "string"}),
+    }
 
 
 class TopLogprobSerializer(serializers.Serializer):
@@ -168,10 +205,17 @@ class ChatCompletionsApi(ChatApiBase):
                                       help_text="Return each output token's log-probability (choices[].logprobs).")
         top_logprobs = StrictIntegerField(required=False, allow_null=True, min_value=0, max_value=MAX_TOP_LOGPROBS,
                                           help_text="With logprobs: the most likely alternatives per token, 0..20.")
-        response_format = ResponseFormatField(required=False, allow_null=True)
+        tools = constraint_field("Function tools: `{\"type\": \"function\", \"function\": {\"name\", "
+                                 "\"description\", \"parameters\"}}`; calls come back as message.tool_calls.",
+                                 {"type": "array", "items": {"type": "object"}})
+        tool_choice = constraint_field("none, auto (the default with tools), required, or `{\"type\": \"function\", "
+                                       "\"function\": {\"name\"}}`.")
+        parallel_tool_calls = StrictBooleanField(required=False, allow_null=True,
+                                                 help_text="With tool_choice required/auto: more than one call may "
+                                                           "be made (default true).")
 
         def get_fields(self):
-            fields = super().get_fields()
+            fields = {**super().get_fields(), **guided_fields()}
             window = served_window_get()  # per request, from live registrations: never a second config
             for name in ("max_tokens", "max_completion_tokens"):
                 fields[name] = StrictIntegerField(
@@ -191,7 +235,7 @@ class ChatCompletionsApi(ChatApiBase):
             if data.get("top_logprobs") is not None and not data.get("logprobs"):
                 raise serializers.ValidationError({"top_logprobs": serializers.ErrorDetail(
                     "top_logprobs needs logprobs: true.", code="invalid")})
-            return data
+            return structured_validate(data, tools_allowed=True)
 
     @extend_schema_serializer(component_name="ChatCompletion")
     class OutputSerializer(serializers.Serializer):
@@ -200,11 +244,12 @@ class ChatCompletionsApi(ChatApiBase):
             @extend_schema_serializer(component_name="AssistantMessage")
             class MessageOutSerializer(serializers.Serializer):
                 role = serializers.CharField()
-                content = serializers.CharField(trim_whitespace=False)
+                content = serializers.CharField(trim_whitespace=False, allow_null=True, allow_blank=True)
+                tool_calls = ToolCallSerializer(many=True, required=False)
 
             index = serializers.IntegerField()
             message = MessageOutSerializer()
-            finish_reason = serializers.ChoiceField(choices=["stop", "length"])
+            finish_reason = serializers.ChoiceField(choices=["stop", "length", "tool_calls"])
             logprobs = ChatLogprobsSerializer(allow_null=True)
 
         id = serializers.CharField()
@@ -237,12 +282,15 @@ class ChatCompletionsApi(ChatApiBase):
         max_tokens = data.get("max_completion_tokens") or data.get("max_tokens") or settings.KVSERVE_DEFAULT_MAX_TOKENS
         logprobs = (data.get("top_logprobs") or 0) if data.get("logprobs") else None
         # `user` narrows the request's prefix-cache scope (kvserve/chat/salt.py)
-        params = RequestParams(request_sampling(data, logprobs), user=data.get("user") or None)
-        messages = [{"role": m["role"], "content": m["content"]} for m in data["messages"]]
+        structured_compile_check(data["structured"], data["structured_param"])
+        calls = data["tool_choice"] != "none" and bool(data["tools"])  # the answer's <tool_call>s are tool_calls
+        params = RequestParams(request_sampling(data, logprobs), user=data.get("user") or None, tool_calls=calls)
+        messages = [{k: m[k] for k in ("role", "content", "tool_calls", "tool_call_id") if m.get(k) is not None}
+                    for m in data["messages"]]
         stream = bool(data.get("stream"))
         try:
             req, _ = chat_request_create(api_key=request.auth, messages=messages, max_tokens=max_tokens,
-                                         params=params, stream=stream)
+                                         params=params, stream=stream, tools=data["tools"] if calls else None)
         except jinja2.TemplateError as exc:
             raise ApiError(f"The model's chat template refused these messages: {exc}", param="messages",
                            code="invalid_messages")
@@ -294,7 +342,7 @@ class CompletionsApi(ChatApiBase):
                                    "the same tenant and user.")
 
         def get_fields(self):
-            fields = super().get_fields()
+            fields = {**super().get_fields(), **guided_fields()}
             window = served_window_get()
             fields["prompt"] = PromptField(vocab_size=tokenizer_get()[0].vocab_size)
             fields["max_tokens"] = StrictIntegerField(
@@ -312,6 +360,9 @@ class CompletionsApi(ChatApiBase):
                 raise serializers.ValidationError("echo is not supported: the answer holds the completion only.",
                                                   code="unsupported_value")
             return value
+
+        def validate(self, data):
+            return structured_validate(data, tools_allowed=False)
 
     @extend_schema_serializer(component_name="TextCompletion")
     class OutputSerializer(serializers.Serializer):
@@ -348,6 +399,7 @@ class CompletionsApi(ChatApiBase):
         serializer.is_valid(raise_exception=True)
         data = serializer.validated_data
         model = model_get_by_id(data.get("model"))
+        structured_compile_check(data["structured"], data["structured_param"])
         params = RequestParams(request_sampling(data, data.get("logprobs")), user=data.get("user") or None,
                                endpoint="completions")
         stream = bool(data.get("stream"))

@@ -150,7 +150,9 @@ async def completion_chunks(req: ChatRequest, *, include_usage: bool, fingerprin
                     yield b": keep-alive\n\n"
                 elif isinstance(event, Delta):
                     if event.text or event.logprobs:
-                        yield chunk(shape.delta(event.text, event.logprobs or [], sent))
+                        choice = shape.delta(event.text, event.logprobs or [], sent)
+                        if choice is not None:  # None: held back (a tool call's text until it closes)
+                            yield chunk(choice)
                         sent += len(event.text)
                 elif isinstance(event, Done):
                     yield chunk(shape.finish(event.finish_reason or "stop"))

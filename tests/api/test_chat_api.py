@@ -89,7 +89,7 @@ def test_content_parts_unknown_fields_and_defaults(client, chat_env, key):
                          {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]},
                          {"role": "assistant", "content": "Hello."},
                          {"role": "user", "content": "Capital of France?", "name": "bob"}],
-            "tools": [{"type": "function"}], "logprobs": True, "frobnicate": {"x": 1}, "n": 1, "user": "u-1",
+            "logprobs": True, "frobnicate": {"x": 1}, "n": 1, "user": "u-1",
             "presence_penalty": 0.5}
     response = post(client, key, body)
     assert response.status_code == 200, response.content
@@ -311,7 +311,7 @@ BAD_BODIES = [
     ({"messages": []}, "messages", "empty"),
     ({"messages": "hi"}, "messages", "not_a_list"),
     ({"messages": None}, "messages", "null"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role", "invalid_choice"),
+    ({"messages": [{"role": "function", "content": "x"}]}, "messages.0.role", "invalid_choice"),
     ({"messages": [{"role": "developer", "content": "x"}]}, "messages.0.role", "invalid_choice"),
     ({"messages": [{"role": ["user"], "content": "x"}]}, "messages.0.role", "invalid_choice"),
     ({"messages": [{"content": "x"}]}, "messages.0.role", "required"),
