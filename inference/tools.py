@@ -124,11 +124,15 @@ class ToolCallStream:
 
     def __init__(self):
         self._held = ""
+        self._after_call = False
         self.num_calls = 0
 
     def push(self, text: str) -> tuple[str, list[ToolCall]]:
         """(content released, calls completed) by this piece."""
         self._held += text
+        if self._after_call:  # the newline that separates calls (or ends the last) is not content
+            self._held = self._held.lstrip("\n")
+            self._after_call = not self._held
         content, calls = [], []
         while True:
             start = self._held.find(CALL_OPEN)
@@ -149,8 +153,9 @@ class ToolCallStream:
                 content.append(self._held[:start])
                 calls.append(call)
             self._held = self._held[end + len(CALL_CLOSE):]
-            if call is not None:  # the newline that separates calls (or ends the last) is not content
+            if call is not None:
                 self._held = self._held.lstrip("\n")
+                self._after_call = not self._held
         self.num_calls += len(calls)
         return "".join(content), calls
 
