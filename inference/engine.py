@@ -13,6 +13,7 @@ from inference.allocator import LocalAllocator, PageAllocator
 from inference.attention import select_backend
 from inference.block_manager import BlockManager, OwnershipViolation, Violation
 from inference.faults import NO_FAULTS, Faults
+from inference.grammar import grammar_accept, grammar_attach, grammar_mask
 from inference.kv_cache import PagePool, cdiv, page_checksums
 from inference.loader import LoadedModel, load_model
 from inference.model import Llama, choose_gemm
@@ -188,6 +189,7 @@ class Engine:
         if reason:
             raise RequestTooLarge(reason)
         seq = Sequence(request_id, prompt_ids, params, prefill_only, salt if self.prefix_cache is not None else None)
+        grammar_attach(seq, self.tokenizer, self.model.config.vocab_size)  # GrammarError: refused, nothing queued
         self.scheduler.add(seq)
         self.seqs[request_id] = seq
         return seq
@@ -226,6 +228,7 @@ class Engine:
         if reason:
             raise RequestTooLarge(reason)
         seq = Sequence(request_id, prompt_ids, params)
+        grammar_attach(seq, self.tokenizer, self.model.config.vocab_size, replay=[first_token])  # prefill's state
         if self.scheduler.waits_for_preempted(seq):
             return None
         num_pages = max(blob.shape[0], self.scheduler.pages_to_admit(seq, len(prompt_ids)))
@@ -372,9 +375,11 @@ class Engine:
                 to_sample.append(seq)
         if to_sample:
             logits = self.model.logits(hidden[torch.tensor([sample_rows[s.request_id] for s in to_sample])])
+            grammar_mask(logits, to_sample, self.tokenizer)  # structured outputs: tokens outside a grammar are -inf
             tokens = sample(logits, [s.params for s in to_sample], [len(s.output_ids) for s in to_sample],
                             [s.prompt_ids for s in to_sample], [s.output_ids for s in to_sample],
                             self.tokenizer.eos_ids)
+            grammar_accept(to_sample, tokens)
             logprobs = sampled_logprobs(logits, tokens, [s.params.logprobs for s in to_sample])
             for seq, token, lp in zip(to_sample, tokens, logprobs):
                 events.append(self._on_token(seq, token))

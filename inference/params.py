@@ -10,6 +10,7 @@ from inference.sequence import SamplingParams
 VERSION = 1
 ENDPOINTS = ("chat", "completions")
 _IDENTITY = ("user", "endpoint")  # the legacy flat form's keys that are not sampling choices
+_SHAPE = ("tool_calls",)  # keys of how the answer is shaped, stored only when set
 
 
 # Sampling fields handed to SamplingParams under the same name when set (None leaves the engine's default)
@@ -40,6 +41,7 @@ class Sampling:
     stop_token_ids: tuple[int, ...] | None = None
     include_stop_str_in_output: bool | None = None
     ignore_eos: bool | None = None
+    structured: dict | None = None  # a structured-output spec (inference/grammar.py): the output obeys its grammar
 
     def __post_init__(self):
         if self.stop is not None:
@@ -55,6 +57,7 @@ class RequestParams:
     sampling: Sampling = field(default_factory=Sampling)
     user: str | None = None  # the request's `user` field: narrows its prefix-cache scope (kvserve/chat/salt.py)
     endpoint: str = "chat"  # whose shape its answer takes: "chat" (chat.completion) or "completions"
+    tool_calls: bool = False  # chat: the output's <tool_call> blocks are returned as message.tool_calls (tools.py)
 
     def __post_init__(self):
         if self.endpoint not in ENDPOINTS:
@@ -69,13 +72,15 @@ class RequestParams:
         asked = {k: getattr(s, k) for k in _ENGINE_FIELDS if getattr(s, k) is not None}
         return SamplingParams(max_tokens=max_tokens, temperature=0.0 if s.temperature is None else s.temperature,
                               top_p=1.0 if s.top_p is None else s.top_p, seed=s.seed, stop=s.stop or (),
-                              logprobs=s.logprobs, tenant=tenant, **asked)
+                              logprobs=s.logprobs, tenant=tenant, structured=s.structured, **asked)
 
     def to_dict(self) -> dict:
         """The stored form: `{"v": 1, "sampling": {the choices set}, "user"?, "endpoint"}`."""
         out = {"v": VERSION, "sampling": _set(self.sampling), "endpoint": self.endpoint}
         if self.user is not None:
             out["user"] = self.user
+        if self.tool_calls:
+            out["tool_calls"] = True
         return out
 
     @classmethod
@@ -89,12 +94,12 @@ class RequestParams:
         if data["v"] != VERSION:
             raise ParamsFormatError(f"request parameters version {data['v']!r} are unknown here (this process "
                                     f"reads version {VERSION}): a newer web process stored them; upgrade the workers")
-        unknown = set(data) - {"v", "sampling", *_IDENTITY}
+        unknown = set(data) - {"v", "sampling", *_IDENTITY, *_SHAPE}
         try:
             if unknown:
                 raise TypeError(f"unknown fields {sorted(unknown)}")
             return cls(Sampling(**data.get("sampling", {})), user=data.get("user"),
-                       endpoint=data.get("endpoint", "chat"))
+                       endpoint=data.get("endpoint", "chat"), tool_calls=data.get("tool_calls", False))
         except (TypeError, ValueError) as exc:
             raise ParamsFormatError(f"malformed request parameters {data!r}: {exc}") from None
 
@@ -106,6 +111,8 @@ class RequestParams:
             out["user"] = self.user
         if self.endpoint != "chat":
             out["endpoint"] = self.endpoint
+        if self.tool_calls:
+            out["tool_calls"] = True
         return out
 
 

@@ -25,6 +25,7 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids are masked, stop strings not searched, until this many outputs
     stop_token_ids: tuple[int, ...] = ()  # end the sequence ("stop"), their text not in the output
     include_stop_str_in_output: bool = False  # the stop string that ended it stays in the text
+    structured: dict | None = None  # a structured-output spec (inference.grammar): every token obeys its grammar
 
     def __post_init__(self):
         if self.top_k == -1:  # vLLM's "off"
@@ -90,6 +91,7 @@ class Sequence:
         self.transfer_ms: float | None = None  # time to pull the handoff's KV (decode side)
         self.read_record: dict | None = None  # set when the sequence finishes (BlockManager.read_record)
         self.num_preemptions = 0  # times its pages were taken back and it was recomputed
+        self.grammar = None  # its structured-output matcher (inference.grammar.SeqGrammar), when params.structured
 
     @property
     def tenant(self) -> str:

@@ -18,6 +18,7 @@ from kvserve.chat.outputs import completion_chunks, completion_wait, output_stre
 from kvserve.chat.parsers import LimitedJSONParser
 from kvserve.chat.shapes import shape_for
 from kvserve.chat.surface import CHAT, COMPLETIONS, surface_check, surface_fields
+from kvserve.chat.structured import structured_compile_check, structured_validate
 from kvserve.chat.schema import SSE_EVENT_SCHEMA, error_responses
 from kvserve.chat.selectors import chat_request_get_for_tenant, model_get, model_get_by_id, served_window_get
 from kvserve.chat.services import chat_request_create
@@ -46,6 +47,7 @@ def request_sampling(data: dict, logprobs: int | None) -> Sampling:
     top_k = data.get("top_k")
     return Sampling(temperature=temperature, top_p=top_p, seed=data.get("seed"), stop=data.get("stop"),
                     logprobs=logprobs, top_k=top_k if top_k not in (-1, 0) else None,  # -1 and 0: off (vLLM)
+                    structured=data.get("structured"),
                     **{name: data.get(name) for name in SAMPLING_KNOBS if name != "top_k"})
 
 
@@ -136,11 +138,36 @@ class RepetitionPenaltyField(StrictFloatField):
         return value
 
 
+class ToolCallFunctionSerializer(serializers.Serializer):
+    name = TextField(max_length=64)
+    arguments = TextField(help_text="The arguments object as a JSON string.")
+
+
+class ToolCallSerializer(serializers.Serializer):
+    id = TextField(required=False, max_length=256)
+    type = serializers.ChoiceField(choices=["function"], required=False, default="function")
+    function = ToolCallFunctionSerializer()
+
+
 class MessageSerializer(serializers.Serializer):
-    role = serializers.ChoiceField(choices=["system", "user", "assistant"])
-    content = MessageContentField()
+    role = serializers.ChoiceField(choices=["system", "user", "assistant", "tool"])
+    content = MessageContentField(required=False, allow_null=True)
     name = TextField(required=False, max_length=256, help_text="The participant's name; the served model's chat "
                                                                "template has no place for it (not in the prompt).")
+    tool_calls = ToolCallSerializer(many=True, required=False, allow_null=True,
+                                    help_text="An assistant turn's calls, shown to the model as <tool_call> blocks.")
+    tool_call_id = TextField(required=False, allow_null=True, max_length=256,
+                             help_text="A tool turn's call id (its content is shown as a <tool_response>).")
+
+    def validate(self, data):
+        if data.get("content") is None and not (data["role"] == "assistant" and data.get("tool_calls")):
+            code = "null" if "content" in data else "required"
+            raise serializers.ValidationError({"content": serializers.ErrorDetail(
+                "content is required (it may be null only in an assistant turn with tool_calls).", code=code)})
+        if data.get("tool_calls") and data["role"] != "assistant":
+            raise serializers.ValidationError({"tool_calls": serializers.ErrorDetail(
+                "Only an assistant turn has tool_calls.", code="invalid")})
+        return data
 
 
 class StreamOptionsSerializer(StrictSerializer):
@@ -148,6 +175,36 @@ class StreamOptionsSerializer(StrictSerializer):
                                        help_text="A last chunk with the request's usage (and no choices).")
     continuous_usage_stats = StrictBooleanField(required=False, default=False,
                                                 help_text="vLLM's: every chunk carries `usage` so far.")
+
+
+def constraint_field(description: str, schema: dict | None = None) -> serializers.JSONField:
+    """A structured-output field, read by kvserve/chat/structured.py (which names the field in every 400)."""
+    field = extend_schema_field({**(schema or {}), "nullable": True, "description": description})(serializers.JSONField)
+    return field(required=False, allow_null=True)
+
+
+def response_format_field():
+    return constraint_field("`{\"type\": \"text\"}` (the default), `{\"type\": \"json_object\"}` or `{\"type\": "
+                            "\"json_schema\", \"json_schema\": {\"name\", \"schema\", \"strict\"}}`: the output is "
+                            "constrained to parse (and validate against the schema).",
+                            {"type": "object", "required": ["type"],
+                             "properties": {"type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+                                            "json_schema": {"type": "object"}}})
+
+
+def guided_fields() -> dict:
+    """vLLM's structured-output fields, on chat and completions alike."""
+    return {
+        "response_format": response_format_field(),
+        "structured_outputs": constraint_field("vLLM's: exactly one of json (schema), regex, choice, grammar (EBNF), "
+                                               "json_object.", {"type": "object"}),
+        "guided_json": constraint_field("vLLM's: the output validates against this JSON schema."),
+        "guided_regex": constraint_field("vLLM's: the output matches this regex.", {"type": "string"}),
+        "guided_choice": constraint_field("vLLM's: the output is one of these strings.",
+                                          {"type": "array", "items": {"type": "string"}}),
+        "guided_grammar": constraint_field("vLLM's: the output follows this EBNF grammar (root rule `root`).",
+                                           {"type": "string"}),
+    }
 
 
 class TopLogprobSerializer(serializers.Serializer):
@@ -204,9 +261,17 @@ class ChatCompletionsApi(ChatApiBase):
                                       help_text="Return each output token's log-probability (choices[].logprobs).")
         top_logprobs = StrictIntegerField(required=False, allow_null=True, min_value=0, max_value=MAX_TOP_LOGPROBS,
                                           help_text="With logprobs: the most likely alternatives per token, 0..20.")
+        tools = constraint_field("Function tools: `{\"type\": \"function\", \"function\": {\"name\", "
+                                 "\"description\", \"parameters\"}}`; calls come back as message.tool_calls.",
+                                 {"type": "array", "items": {"type": "object"}})
+        tool_choice = constraint_field("none, auto (the default with tools), required, or `{\"type\": \"function\", "
+                                       "\"function\": {\"name\"}}`.")
+        parallel_tool_calls = StrictBooleanField(required=False, allow_null=True,
+                                                 help_text="With tool_choice required/auto: more than one call may "
+                                                           "be made (default true).")
 
         def get_fields(self):
-            fields = {**super().get_fields(), **surface_fields(CHAT)}
+            fields = {**super().get_fields(), **surface_fields(CHAT), **guided_fields()}
             window = served_window_get()  # per request, from live registrations: never a second config
             for name in ("max_tokens", "max_completion_tokens"):
                 fields[name] = StrictIntegerField(
@@ -226,7 +291,7 @@ class ChatCompletionsApi(ChatApiBase):
                 raise serializers.ValidationError({"top_logprobs": serializers.ErrorDetail(
                     "top_logprobs needs logprobs: true.", code="invalid")})
             validate_min_tokens(data, chat_max_tokens(data))
-            return validate_stream_options(data)
+            return validate_stream_options(structured_validate(data, tools_allowed=True))
 
     @extend_schema_serializer(component_name="ChatCompletion")
     class OutputSerializer(serializers.Serializer):
@@ -235,11 +300,12 @@ class ChatCompletionsApi(ChatApiBase):
             @extend_schema_serializer(component_name="AssistantMessage")
             class MessageOutSerializer(serializers.Serializer):
                 role = serializers.CharField()
-                content = serializers.CharField(trim_whitespace=False)
+                content = serializers.CharField(trim_whitespace=False, allow_null=True, allow_blank=True)
+                tool_calls = ToolCallSerializer(many=True, required=False)
 
             index = serializers.IntegerField()
             message = MessageOutSerializer()
-            finish_reason = serializers.ChoiceField(choices=["stop", "length"])
+            finish_reason = serializers.ChoiceField(choices=["stop", "length", "tool_calls"])
             logprobs = ChatLogprobsSerializer(allow_null=True)
 
         id = serializers.CharField()
@@ -273,12 +339,15 @@ class ChatCompletionsApi(ChatApiBase):
         max_tokens = chat_max_tokens(data)
         logprobs = (data.get("top_logprobs") or 0) if data.get("logprobs") else None
         # `user` narrows the request's prefix-cache scope (kvserve/chat/salt.py)
-        params = RequestParams(request_sampling(data, logprobs), user=data.get("user") or None)
-        messages = [{"role": m["role"], "content": m["content"]} for m in data["messages"]]
+        structured_compile_check(data["structured"], data["structured_param"])
+        calls = data["tool_choice"] != "none" and bool(data["tools"])  # the answer's <tool_call>s are tool_calls
+        params = RequestParams(request_sampling(data, logprobs), user=data.get("user") or None, tool_calls=calls)
+        messages = [{k: m[k] for k in ("role", "content", "tool_calls", "tool_call_id") if m.get(k) is not None}
+                    for m in data["messages"]]
         stream = bool(data.get("stream"))
         try:
             req, _ = chat_request_create(api_key=request.auth, messages=messages, max_tokens=max_tokens,
-                                         params=params, stream=stream)
+                                         params=params, stream=stream, tools=data["tools"] if calls else None)
         except jinja2.TemplateError as exc:
             raise ApiError(f"The model's chat template refused these messages: {exc}", param="messages",
                            code="invalid_messages")
@@ -328,7 +397,7 @@ class CompletionsApi(ChatApiBase):
                                    "the same tenant and user.")
 
         def get_fields(self):
-            fields = {**super().get_fields(), **surface_fields(COMPLETIONS)}
+            fields = {**super().get_fields(), **surface_fields(COMPLETIONS), **guided_fields()}
             window = served_window_get()
             fields["prompt"] = PromptField(vocab_size=tokenizer_get()[0].vocab_size)
             fields["max_tokens"] = StrictIntegerField(
@@ -340,7 +409,7 @@ class CompletionsApi(ChatApiBase):
 
         def validate(self, data):
             validate_min_tokens(data, data.get("max_tokens") or COMPLETIONS_DEFAULT_MAX_TOKENS)
-            return validate_stream_options(data)
+            return validate_stream_options(structured_validate(data, tools_allowed=False))
 
         validate_top_p = ChatCompletionsApi.InputSerializer.validate_top_p
 
@@ -380,6 +449,7 @@ class CompletionsApi(ChatApiBase):
         serializer.is_valid(raise_exception=True)
         data = serializer.validated_data
         model = model_get_by_id(data.get("model"))
+        structured_compile_check(data["structured"], data["structured_param"])
         params = RequestParams(request_sampling(data, data.get("logprobs")), user=data.get("user") or None,
                                endpoint="completions")
         stream = bool(data.get("stream"))

@@ -159,7 +159,9 @@ async def completion_chunks(req: ChatRequest, *, include_usage: bool, fingerprin
                 elif isinstance(event, Delta):
                     generated = event.tokens if event.tokens is not None else generated
                     if event.text or event.logprobs:
-                        yield chunk(shape.delta(event.text, event.logprobs or [], sent))
+                        choice = shape.delta(event.text, event.logprobs or [], sent)
+                        if choice is not None:  # None: held back (a tool call's text until it closes)
+                            yield chunk(choice)
                         sent += len(event.text)
                 elif isinstance(event, Done):
                     yield chunk(shape.finish(event.finish_reason or "stop"), _usage(event.usage, req))

@@ -24,6 +24,7 @@ from inference.params import RequestParams
 from inference.registry import PREFILL
 from inference.scheduler import RequestTooLarge
 from inference.sequence import SamplingParams
+from inference.tools import tool_messages
 from inference.worker import RequestFailed
 from kvserve.chat.callbacks import handoff_refusal_record, record_safely
 from kvserve.chat.metrics import (admission_rejection_count_incr, chat_metrics_decoded, chat_metrics_failed,
@@ -103,14 +104,16 @@ def sampling_params(req: ChatRequest) -> SamplingParams:
 # ---- web side --------------------------------------------------------------------------------
 
 def chat_request_create(*, api_key, messages: list[dict] | None = None, prompt: str | list[int] | None = None,
-                        max_tokens: int, params: RequestParams, stream: bool = False) -> tuple[ChatRequest, list[int]]:
-    """Admission before reservation, for chat (`messages`, rendered with the model's chat template) and
-    completions (`prompt`: text tokenized as it is, or token ids used as they are): an overlong request raises
-    ApiError(400 context_length_exceeded) before any row is written, any page reserved or any task queued."""
+                        max_tokens: int, params: RequestParams, stream: bool = False,
+                        tools: list[dict] | None = None) -> tuple[ChatRequest, list[int]]:
+    """Admission before reservation, for chat (`messages`, rendered with the model's chat template, `tools` and the
+    turns' tool calls and results in kvserve's tool format: inference/tools.py) and completions (`prompt`: text
+    tokenized as it is, or token ids used as they are): an overlong request raises ApiError(400
+    context_length_exceeded) before any row is written, any page reserved or any task queued."""
     tokenizer, _, model_name = tokenizer_get()
     token_ids = None
     if messages is not None:
-        text, param, id_prefix = chat_prompt_render(tokenizer, messages), "messages", "chatcmpl"
+        text, param, id_prefix = chat_prompt_render(tokenizer, tool_messages(messages, tools)), "messages", "chatcmpl"
     elif isinstance(prompt, str):
         text, param, id_prefix = prompt, "prompt", "cmpl"
     else:  # token ids: used as they are, hashed as their JSON

@@ -38,8 +38,8 @@ def P(name, endpoints, status, note, **kw) -> Param:
 H, D, R = HONOURED, DEFAULT_ONLY, REFUSED
 CHAT_API, COMPLETIONS_API, SURFACE = "tests/api/test_chat_api.py", "tests/api/test_completions_api.py", \
     "tests/api/test_surface.py"
-NO_TOOLS = "tools are not supported yet: describe the task in the messages"
-NO_GRAMMAR = "structured output is not supported yet: ask for the format in the prompt and validate the reply"
+NO_TOOLS = "use tools and tool_choice"
+NO_GRAMMAR = "use response_format, structured_outputs or guided_json / guided_regex / guided_choice / guided_grammar"
 
 REGISTRY: tuple[Param, ...] = (
     # ---- OpenAI chat completions
@@ -57,12 +57,12 @@ REGISTRY: tuple[Param, ...] = (
     P("metadata", CHAT, R, "Completions are not stored, so there is nothing to tag: leave it out.", example={"k": "v"}),
     P("modalities", CHAT, D, "Only text output is supported.", accepts=(["text"],), example=["text", "audio"]),
     P("n", BOTH, D, "n > 1 is not supported yet: this server returns one choice; send n requests.", accepts=(1,), example=2),  # -> honoured by nbest
-    P("parallel_tool_calls", CHAT, D, f"Meaningless without tools; {NO_TOOLS}.", accepts=(True, False), example="yes"),  # -> honoured by grammar
+    P("parallel_tool_calls", CHAT, H, "With tools: false allows at most one call; true (the default) one or more.", proof="tests/api/test_structured.py::test_tool_choice_and_parallel_tool_calls_choose_the_constraint"),
     P("prediction", CHAT, R, "Predicted outputs are not supported: leave it out.", example={"type": "content", "content": "x"}),
     P("presence_penalty", BOTH, H, "-2..2: each token already in the output lowered by this (OpenAI's).", proof="tests/inference/test_sampling_model.py::test_each_penalty_changes_a_repetitive_reply"),
     P("prompt_cache_key", CHAT, R, "The prefix cache is per tenant already; send `user` to narrow it further.", example="k"),
     P("reasoning_effort", CHAT, R, "The served model does not reason: leave it out.", example="low"),
-    P("response_format", BOTH, D, f"Only {{\"type\": \"text\"}}: {NO_GRAMMAR}.", accepts=({"type": "text"},), example={"type": "json_object"}),  # -> honoured by grammar
+    P("response_format", BOTH, H, "text, json_object or json_schema (strict): the output is constrained by xgrammar to parse (and validate).", proof="tests/inference/test_grammar.py::test_json_schema_output_always_parses_and_validates_over_20_seeds"),
     P("safety_identifier", CHAT, R, "This server runs no abuse monitoring to attribute: leave it out.", example="u"),
     P("seed", BOTH, H, "Sampling seed (int64); one is fixed at entry when absent.", proof=f"{CHAT_API}::test_sampling_parameters_reach_the_request"),
     P("service_tier", CHAT, D, "There is one tier.", accepts=("auto", "default"), example="flex"),
@@ -71,8 +71,8 @@ REGISTRY: tuple[Param, ...] = (
     P("stream", BOTH, H, "Server-sent events.", proof=f"{CHAT_API}::test_stream_is_openai_chunks_with_usage_and_done"),
     P("stream_options", BOTH, H, "include_usage: a final usage chunk; continuous_usage_stats: usage on every chunk.", proof=f"{SURFACE}::test_continuous_usage_stats_puts_usage_on_every_chunk"),
     P("temperature", BOTH, H, "0..2, default 0 (greedy).", proof="tests/inference/test_engine.py::test_sampling_is_reproducible_by_seed_and_top_k_1_is_greedy"),
-    P("tool_choice", CHAT, D, f"Only \"none\" (or \"auto\", with no tools); {NO_TOOLS}.", accepts=("none", "auto"), example="required"),  # -> honoured by grammar
-    P("tools", CHAT, D, f"Only an empty list; {NO_TOOLS}.", accepts=([],), example=[{"type": "function", "function": {"name": "f"}}]),  # -> honoured by grammar
+    P("tool_choice", CHAT, H, "none, auto, required or a named function: what the output grammar allows (text, calls, one named call).", proof="tests/inference/test_tools.py::test_required_and_named_tool_choice_always_give_calls_that_validate"),
+    P("tools", CHAT, H, "Function tools (JSON-schema parameters), rendered in the prompt; calls come back as message.tool_calls.", proof="tests/inference/test_tools.py::test_required_and_named_tool_choice_always_give_calls_that_validate"),
     P("top_logprobs", CHAT, H, "With logprobs: 0..20 alternatives per token.", proof=f"{COMPLETIONS_API}::test_chat_logprobs_in_openai_shape"),
     P("top_p", BOTH, H, "Nucleus sampling, 0 < p <= 1.", proof=f"{CHAT_API}::test_sampling_parameters_reach_the_request"),
     P("user", BOTH, H, "Narrows prefix-cache sharing to this tenant's requests with the same user.", proof="tests/api/test_prefix_salt.py::test_user_narrows_and_no_user_value_reaches_another_tenant"),
@@ -107,13 +107,13 @@ REGISTRY: tuple[Param, ...] = (
     P("chat_template", CHAT, R, "The served model's own chat template is always used; render it yourself and use /v1/completions.", example="{{ messages }}"),
     P("chat_template_kwargs", CHAT, R, "The chat template takes no extra arguments here: leave it out.", example={"x": 1}),
     P("mm_processor_kwargs", BOTH, R, "The served model is text only.", example={"x": 1}),
-    P("structured_outputs", BOTH, R, f"{NO_GRAMMAR}.", example={"choice": ["a", "b"]}),  # -> honoured by grammar
-    P("guided_json", BOTH, R, f"{NO_GRAMMAR}.", example={"type": "object"}),  # -> honoured by grammar
-    P("guided_regex", BOTH, R, f"{NO_GRAMMAR}.", example="[a-z]+"),  # -> honoured by grammar
-    P("guided_choice", BOTH, R, f"{NO_GRAMMAR}.", example=["yes", "no"]),  # -> honoured by grammar
-    P("guided_grammar", BOTH, R, f"{NO_GRAMMAR}.", example="root ::= \"a\""),
+    P("structured_outputs", BOTH, H, "vLLM's: one of json, regex, choice, grammar, json_object; the output obeys it.", proof="tests/api/test_structured.py::test_each_constraint_field_reaches_the_request_as_its_spec"),
+    P("guided_json", BOTH, H, "vLLM's: the output validates against this JSON schema.", proof="tests/inference/test_grammar.py::test_json_schema_output_always_parses_and_validates_over_20_seeds"),
+    P("guided_regex", BOTH, H, "vLLM's: the output matches this regex.", proof="tests/inference/test_grammar.py::test_regex_output_always_matches_over_20_seeds"),
+    P("guided_choice", BOTH, H, "vLLM's: the output is one of these strings.", proof="tests/inference/test_grammar.py::test_choice_output_is_always_one_of_the_choices_over_20_seeds"),
+    P("guided_grammar", BOTH, H, "vLLM's: the output follows this EBNF grammar (root rule `root`).", proof="tests/api/test_structured.py::test_each_constraint_field_reaches_the_request_as_its_spec"),
     P("structural_tag", BOTH, R, f"{NO_GRAMMAR}.", example="{}"),
-    P("guided_decoding_backend", BOTH, R, "There is no guided decoding backend to choose: leave it out.", example="xgrammar"),
+    P("guided_decoding_backend", BOTH, D, "xgrammar is the one structured-output backend.", accepts=("xgrammar", "auto"), example="outlines"),
     P("guided_whitespace_pattern", BOTH, R, f"{NO_GRAMMAR}.", example=" "),
     P("priority", BOTH, D, "Scheduling is fair across tenants, not by priority.", accepts=(0,), example=1),
     P("request_id", BOTH, R, "The server names each request (the response's id, for /api/requests/<id>): leave it out.", example="mine-1"),

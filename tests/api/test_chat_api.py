@@ -310,7 +310,7 @@ BAD_BODIES = [
     ({"messages": []}, "messages", "empty"),
     ({"messages": "hi"}, "messages", "not_a_list"),
     ({"messages": None}, "messages", "null"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role", "invalid_choice"),
+    ({"messages": [{"role": "function", "content": "x"}]}, "messages.0.role", "invalid_choice"),
     ({"messages": [{"role": "developer", "content": "x"}]}, "messages.0.role", "invalid_choice"),
     ({"messages": [{"role": ["user"], "content": "x"}]}, "messages.0.role", "invalid_choice"),
     ({"messages": [{"content": "x"}]}, "messages.0.role", "required"),

@@ -87,9 +87,9 @@ def test_empty_text_prompt_and_admission_are_the_chat_services(client, chat_env,
 
 
 @pytest.mark.parametrize("body, param, code", [
-    ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_value"),
-    ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format", "unsupported_value"),
-    ({"response_format": "json"}, "response_format", "unsupported_value"),
+    ({"response_format": {"type": "xml"}}, "response_format.type", "unsupported_value"),
+    ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format.json_schema.name", "required"),
+    ({"response_format": "json"}, "response_format", "invalid"),
     ({"top_logprobs": 3}, "top_logprobs", "invalid"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "max_value"),
     ({"logprobs": 1}, "logprobs", "invalid"),
