@@ -112,8 +112,10 @@ def structured_outputs_spec(value) -> dict:
 def tools_validate(tools) -> list[dict]:
     """`tools`: function tools, each {"type": "function", "function": {"name", "description"?, "parameters"?,
     "strict"?}} with a unique name; returned as the model is shown them."""
-    if not isinstance(tools, list) or not tools:
-        raise _invalid("tools", "Expected a non-empty list of function tools.")
+    if not isinstance(tools, list):
+        raise _invalid("tools", "Expected a list of function tools.")
+    if not tools:
+        return []  # what clients send for "no tools": the same as leaving it out
     out, names = [], set()
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):

@@ -130,7 +130,7 @@ def test_the_schema_lists_default_only_fields_with_their_values_and_no_refused_f
     schema = client.get("/api/schema/", HTTP_ACCEPT="application/vnd.oai.openapi+json").json()
     props = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
     assert props["store"]["allOf"] == [{"enum": [False, None]}] and props["n"]["allOf"] == [{"enum": [1, None]}]
-    assert "audio" not in props and "guided_json" not in props
+    assert "audio" not in props and "structural_tag" not in props  # refused: not in the schema
     assert "ignored" not in json.dumps(schema["components"]["schemas"]["ChatCompletionRequest"])
     for name in ("ChatCompletionRequest", "CompletionRequest", "StreamOptions", "TokenizeRequest", "DetokenizeRequest"):
         assert schema["components"]["schemas"][name]["additionalProperties"] is False, name  # unknown: a 400
