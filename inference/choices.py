@@ -6,6 +6,7 @@ import hashlib
 import re
 from dataclasses import dataclass, replace
 
+from inference.events import ChoiceEnd
 from inference.sequence import SamplingParams
 
 MAX_CHOICES = 8  # n and best_of are at most this (a 400 naming the field above it)
@@ -43,16 +44,6 @@ def choice_params(params: SamplingParams, count: int, score: bool = False) -> li
     sampled token's log-probability (its cumulative logprob ranks the choice)."""
     logprobs = 0 if score and params.logprobs is None else params.logprobs
     return [replace(params, seed=choice_seed(params.seed, i), logprobs=logprobs) for i in range(count)]
-
-
-@dataclass(frozen=True)
-class ChoiceEnd:
-    """How one choice ended: its generation index, finish reason, tokens and cumulative log-probability."""
-
-    index: int
-    finish_reason: str | None
-    completion_tokens: int
-    cumulative_logprob: float | None = None
 
 
 def best_choices(ends: list[ChoiceEnd], n: int, ranked: bool) -> list[ChoiceEnd]:

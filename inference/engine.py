@@ -196,7 +196,7 @@ class Engine:
             raise ValueError("a request's choices are forked after its prefill (add_prefilled_choices)")
         plist = choice_params(params, choices, score) if choices > 1 else [params]
         seq = Sequence(request_id, prompt_ids, plist[0], prefill_only, salt if self.prefix_cache is not None else None)
-        seq.choice_params = plist[1:]
+        seq.choice_params, seq.score_only = plist[1:], score and choices > 1
         self.scheduler.add(seq)
         self.seqs[request_id] = seq
         return seq
