@@ -23,6 +23,7 @@ from kvserve.chat.services import chat_request_create
 from kvserve.chat.throttling import ApiKeyRateThrottle
 from kvserve.chat.tokenizer import tokenizer_get
 from kvserve.errors import ApiError
+from inference.choices import MAX_CHOICES
 from inference.params import RequestParams, Sampling
 from inference.sampling import MAX_TOP_LOGPROBS
 
@@ -94,17 +95,29 @@ class StreamOptionsSerializer(serializers.Serializer):
     include_usage = StrictBooleanField(required=False, default=False)
 
 
-@extend_schema_field({"type": "integer", "minimum": 1, "maximum": 1, "nullable": True,
-                      "description": "Choices to generate: only 1 is supported (n > 1 is a 400 naming `n`)."})
+@extend_schema_field({"type": "integer", "minimum": 1, "maximum": MAX_CHOICES, "nullable": True,
+                      "description": f"Choices: 1..{MAX_CHOICES} (more is a 400 naming the field). The prompt is "
+                                     "prefilled once and its pages shared by every choice."})
 class ChoiceCountField(StrictIntegerField):
     pass
 
 
-def validate_one_choice(value, param: str):
-    if value not in (None, 1):
-        raise serializers.ValidationError(f"{param} > 1 is not supported: this server returns one choice.",
-                                          code="unsupported_value")
-    return value
+def validate_choices(data: dict) -> dict:
+    """n <= best_of, and best_of > n (the best n of best_of, known only at the end) is never streamed."""
+    n, best_of = data.get("n") or 1, data.get("best_of")
+    if best_of is not None and best_of < n:
+        raise serializers.ValidationError({"best_of": serializers.ErrorDetail(
+            f"best_of ({best_of}) must be at least n ({n}).", code="invalid")})
+    if best_of is not None and best_of > n and data.get("stream"):
+        raise serializers.ValidationError({"best_of": serializers.ErrorDetail(
+            "best_of > n cannot be streamed: which choices are the best is known only when all have ended.",
+            code="unsupported_value")})
+    return data
+
+
+def choice_counts(data: dict) -> dict:
+    """RequestParams' n and best_of of a validated body (None: not set)."""
+    return {"n": data.get("n"), "best_of": data.get("best_of")}
 
 
 @extend_schema_field({"type": "object", "nullable": True, "required": ["type"],
@@ -160,7 +173,10 @@ class ChatCompletionsApi(ChatApiBase):
         stop = StopField(required=False, allow_null=True)
         stream = StrictBooleanField(required=False, allow_null=True, default=False)
         stream_options = StreamOptionsSerializer(required=False, allow_null=True)
-        n = ChoiceCountField(required=False, allow_null=True, min_value=1)
+        n = ChoiceCountField(required=False, allow_null=True, min_value=1, max_value=MAX_CHOICES)
+        best_of = ChoiceCountField(required=False, allow_null=True, min_value=1, max_value=MAX_CHOICES,
+                                   help_text="Generate this many choices and return the n with the highest "
+                                             "cumulative logprob (not with stream).")
         user = TextField(required=False, allow_null=True, max_length=256,
                          help_text="Narrows prefix-cache sharing: cached prompt pages are reused only within "
                                    "the same tenant and user.")
@@ -185,13 +201,11 @@ class ChatCompletionsApi(ChatApiBase):
                 raise serializers.ValidationError("Ensure this value is greater than 0.", code="min_value")
             return value
 
-        validate_n = staticmethod(lambda value: validate_one_choice(value, "n"))
-
         def validate(self, data):
             if data.get("top_logprobs") is not None and not data.get("logprobs"):
                 raise serializers.ValidationError({"top_logprobs": serializers.ErrorDetail(
                     "top_logprobs needs logprobs: true.", code="invalid")})
-            return data
+            return validate_choices(data)
 
     @extend_schema_serializer(component_name="ChatCompletion")
     class OutputSerializer(serializers.Serializer):
@@ -237,7 +251,7 @@ class ChatCompletionsApi(ChatApiBase):
         max_tokens = data.get("max_completion_tokens") or data.get("max_tokens") or settings.KVSERVE_DEFAULT_MAX_TOKENS
         logprobs = (data.get("top_logprobs") or 0) if data.get("logprobs") else None
         # `user` narrows the request's prefix-cache scope (kvserve/chat/salt.py)
-        params = RequestParams(request_sampling(data, logprobs), user=data.get("user") or None)
+        params = RequestParams(request_sampling(data, logprobs), user=data.get("user") or None, **choice_counts(data))
         messages = [{"role": m["role"], "content": m["content"]} for m in data["messages"]]
         stream = bool(data.get("stream"))
         try:
@@ -282,8 +296,10 @@ class CompletionsApi(ChatApiBase):
         stop = StopField(required=False, allow_null=True)
         stream = StrictBooleanField(required=False, allow_null=True, default=False)
         stream_options = StreamOptionsSerializer(required=False, allow_null=True)
-        n = ChoiceCountField(required=False, allow_null=True, min_value=1)
-        best_of = ChoiceCountField(required=False, allow_null=True, min_value=1)
+        n = ChoiceCountField(required=False, allow_null=True, min_value=1, max_value=MAX_CHOICES)
+        best_of = ChoiceCountField(required=False, allow_null=True, min_value=1, max_value=MAX_CHOICES,
+                                   help_text="Generate this many choices and return the n with the highest "
+                                             "cumulative logprob (not with stream).")
         logprobs = StrictIntegerField(required=False, allow_null=True, min_value=0, max_value=5,
                                       help_text="Return each token's log-probability and this many alternatives.")
         echo = StrictBooleanField(required=False, allow_null=True, default=False,
@@ -304,8 +320,7 @@ class CompletionsApi(ChatApiBase):
             return fields
 
         validate_top_p = ChatCompletionsApi.InputSerializer.validate_top_p
-        validate_n = staticmethod(lambda value: validate_one_choice(value, "n"))
-        validate_best_of = staticmethod(lambda value: validate_one_choice(value, "best_of"))
+        validate = staticmethod(validate_choices)
 
         def validate_echo(self, value):
             if value:
@@ -349,7 +364,7 @@ class CompletionsApi(ChatApiBase):
         data = serializer.validated_data
         model = model_get_by_id(data.get("model"))
         params = RequestParams(request_sampling(data, data.get("logprobs")), user=data.get("user") or None,
-                               endpoint="completions")
+                               endpoint="completions", **choice_counts(data))
         stream = bool(data.get("stream"))
         req, _ = chat_request_create(api_key=request.auth, prompt=data["prompt"], params=params, stream=stream,
                                      max_tokens=data.get("max_tokens") or COMPLETIONS_DEFAULT_MAX_TOKENS)

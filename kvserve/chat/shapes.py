@@ -25,22 +25,25 @@ class ChatShape:
         return chat_logprobs(entries, _token_text(), self.top_logprobs) if self.logprobs else None
 
     def answer(self, base: dict, text: str, finish_reason: str, entries: list, usage: dict) -> dict:
-        return {**base, "object": self.object, "choices": [{
-            "index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
-            "logprobs": self._logprobs(entries)}], "usage": usage}
+        return {**base, "object": self.object, "choices": [self.choice(0, text, finish_reason, entries)],
+                "usage": usage}
+
+    def choice(self, index: int, text: str, finish_reason: str, entries: list) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
+                "logprobs": self._logprobs(entries)}
 
     def chunk_object(self) -> str:
         return f"{self.object}.chunk"
 
-    def opening(self) -> list[dict]:
-        return [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None, "logprobs": None}]
+    def opening(self, n: int = 1) -> list[dict]:
+        return [{"index": i, "delta": {"role": "assistant"}, "finish_reason": None, "logprobs": None} for i in range(n)]
 
-    def delta(self, text: str, entries: list, offset: int) -> dict:
-        return {"index": 0, "delta": {"content": text}, "finish_reason": None,
+    def delta(self, text: str, entries: list, offset: int, index: int = 0) -> dict:
+        return {"index": index, "delta": {"content": text}, "finish_reason": None,
                 "logprobs": self._logprobs(entries) if entries else None}
 
-    def finish(self, finish_reason: str) -> dict:
-        return {"index": 0, "delta": {}, "finish_reason": finish_reason, "logprobs": None}
+    def finish(self, finish_reason: str, index: int = 0) -> dict:
+        return {"index": index, "delta": {}, "finish_reason": finish_reason, "logprobs": None}
 
 
 @dataclass(frozen=True)
@@ -54,22 +57,24 @@ class TextShape:
         return completion_logprobs(entries, _token_text(), self.logprobs, offset)
 
     def answer(self, base: dict, text: str, finish_reason: str, entries: list, usage: dict) -> dict:
-        return {**base, "object": self.object, "choices": [{
-            "index": 0, "text": text, "finish_reason": finish_reason, "logprobs": self._logprobs(entries)}],
-            "usage": usage}
+        return {**base, "object": self.object, "choices": [self.choice(0, text, finish_reason, entries)],
+                "usage": usage}
+
+    def choice(self, index: int, text: str, finish_reason: str, entries: list) -> dict:
+        return {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": self._logprobs(entries)}
 
     def chunk_object(self) -> str:
         return self.object
 
-    def opening(self) -> list[dict]:
+    def opening(self, n: int = 1) -> list[dict]:
         return []
 
-    def delta(self, text: str, entries: list, offset: int) -> dict:
-        return {"index": 0, "text": text, "finish_reason": None,
+    def delta(self, text: str, entries: list, offset: int, index: int = 0) -> dict:
+        return {"index": index, "text": text, "finish_reason": None,
                 "logprobs": self._logprobs(entries, offset) if entries else None}
 
-    def finish(self, finish_reason: str) -> dict:
-        return {"index": 0, "text": "", "finish_reason": finish_reason, "logprobs": None}
+    def finish(self, finish_reason: str, index: int = 0) -> dict:
+        return {"index": index, "text": "", "finish_reason": finish_reason, "logprobs": None}
 
 
 CHAT = ChatShape()
