@@ -137,6 +137,8 @@ class Engine:
             pc, sched = self.prefix_cache, self.scheduler
             sched.admit = lambda seq: pc.admit(seq, lambda s: sched.pages_to_admit(s, s.num_tokens),
                                                sched.admission_keep_free(seq))
+        admit = self.scheduler.admit
+        self.scheduler.admit = lambda seq: self._readmit_choice(seq) if seq.choice_of else admit(seq)
         self.runner = StepBuilder(self.pool, fresh_reads_pool=self.attention_backend == "xformers")
         self.window = config.window or mc.max_position
         self.tokenizer = model.tokenizer
@@ -332,6 +334,20 @@ class Engine:
             else:
                 self.scheduler.add_running(seq)
         return seqs
+
+    def _readmit_choice(self, seq: Sequence) -> bool:
+        """A preempted choice resumes on its request's shared prompt pages (held while any of its choices is here):
+        it reads them again and recomputes only what it owns, so the choices never need more than admission
+        counted (the prompt once). False when its own pages do not fit now (nothing held then)."""
+        bm, group = self.block_manager, self.groups.get(seq.choice_of)
+        if group is not None and group.pages and not bm.share(seq, group.pages, group.epochs):
+            return False
+        if not bm.allocate(seq, self.scheduler.pages_to_admit(seq, seq.num_tokens),
+                           self.scheduler.admission_keep_free(seq)):
+            bm.unshare(seq)
+            return False
+        seq.num_cached = seq.num_shared * self.page_size
+        return True
 
     def _unfork(self, request_id: str, seqs: list[Sequence]) -> None:
         """A fork that did not fit: whatever its choices took goes back (scrubbed), the shared pages last."""

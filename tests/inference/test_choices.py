@@ -205,3 +205,39 @@ def test_best_of_scores_every_choice_without_showing_logprobs(tiny_model):
     assert all(e.logprobs is None for e in events)
     assert all(s.cumulative_logprob is not None and s.cumulative_logprob < 0 for s in seqs)
     assert len({round(s.cumulative_logprob, 6) for s in seqs}) == 3
+
+
+def test_choices_that_end_with_their_first_token_release_everything_at_once(tiny_model, redis_client, ledger_prefix):
+    pre = make_engine(tiny_model, page_size=4)
+    dec = redis_engine(tiny_model, redis_client, ledger_prefix, "d5", "decode")
+    seqs = fork(pre, dec, "r8", PROMPT, sampled(max_tokens=1), 3)
+    assert all(s.is_done and s.finish_reason == "length" and len(s.output_ids) == 1 for s in seqs)
+    assert all(s.read_record and s.read_record["shared"] == 5 for s in seqs)
+    assert dec.groups == {} and dec.block_manager.allocator.num_free() == 64 and not dec.has_work
+    assert dec.pool.data.abs().sum() == 0
+    dec.block_manager.allocator.check_integrity()
+
+
+def test_a_preempted_choice_resumes_on_the_shared_prompt_pages(tiny_model, redis_client, ledger_prefix):
+    """The pool holds the prompt once and the choices' own pages, never a copy of the prompt per choice: a choice
+    preempted by a shortage reads the shared pages again and recomputes only its own tokens, and every greedy
+    choice is still the single answer."""
+    pre, other = make_engine(tiny_model, page_size=4), make_engine(tiny_model, page_size=4)
+    greedy = SamplingParams(max_tokens=12, ignore_eos=True)
+    ref = single(pre, other, "p0", PROMPT, greedy)
+    # 5 shared + 3 x cdiv(3 + 12, 4) = 17 pages: room for all three, not for a copy of the prompt per choice
+    dec = Engine(tiny_model, EngineConfig(num_pages=18, page_size=4, watermark=0),
+                 allocator_factory=lambda n: RedisLedger.register(redis_client, "d6", "decode", n, 4,
+                                                                  prefix=ledger_prefix))
+    squatter = dec.add_request("sq", list(range(60, 64)), SamplingParams(max_tokens=40, ignore_eos=True))
+    dec.step()  # holds 2 pages, growing to 11: the choices' growth must preempt
+    seqs = fork(pre, dec, "p1", PROMPT, greedy, 3)
+    computed = []
+    real_build = dec.runner.build
+    dec.runner.build = lambda chunks: computed.extend(c.num_tokens for c in chunks) or real_build(chunks)
+    run_until_done(dec, seqs + [squatter])
+    assert dec.scheduler.num_preemptions > 0
+    assert all(s.output_ids == ref.output_ids for s in seqs)
+    assert max(computed) < len(PROMPT)  # a resumed choice never recomputed the shared prompt
+    assert dec.groups == {} and dec.block_manager.allocator.num_free() == 18
+    dec.block_manager.allocator.check_integrity()
