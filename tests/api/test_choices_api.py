@@ -77,3 +77,13 @@ def test_admission_counts_every_choices_tokens(client, chat_env, key):
     assert_error(post(client, key, {"prompt": "x", "max_tokens": 1500, "n": 1, "best_of": 3}, url="/v1/completions"),
                  400, code="context_length_exceeded", param="prompt")
     assert ChatRequest.objects.count() == 1
+
+
+def test_completions_n_streams_each_choice_with_its_index(client, chat_env, key):
+    chat_env.events = [Delta("a"), Delta("b", index=1), Delta("c", index=1),
+                       Done("stop", Usage(4, 3), (ChoiceEnd(0, "stop", 1), ChoiceEnd(1, "length", 2)))]
+    response = post(client, key, {"prompt": "x", "n": 2, "stream": True}, url="/v1/completions")
+    events = [e for e in sse_events(streaming_body(response)) if e != "[DONE]"]
+    assert [(e["choices"][0]["index"], e["choices"][0]["text"], e["choices"][0]["finish_reason"]) for e in events] == [
+        (0, "a", None), (1, "b", None), (1, "c", None), (0, "", "stop"), (1, "", "length")]
+    assert ChatRequest.objects.get().request_params.n == 2
