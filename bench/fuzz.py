@@ -116,7 +116,9 @@ class Schedule:
     reqs: list[Req] = field(default_factory=list)
 
 
-def make_schedule(tokenizer, seed: int, index: int, max_requests: int) -> Schedule:
+def make_schedule(tokenizer, seed: int, index: int, max_requests: int, choices_rate: float = 0.25) -> Schedule:
+    """Schedule `index` of `seed`; `choices_rate`: the share of requests of n > 1 choices (0: none, and the
+    schedule is the one this seed and index gave before n > 1 was fuzzed)."""
     rng = random.Random(f"kvserve-fuzz:{seed}:{index}")
     reqs = []
     for i in range(rng.randint(max(2, max_requests // 2), max_requests)):
@@ -133,10 +135,12 @@ def make_schedule(tokenizer, seed: int, index: int, max_requests: int) -> Schedu
         elif roll < 0.24:
             r.disconnect_after = rng.randint(1, max(1, params.max_tokens // 2))
         choices = random.Random(f"kvserve-fuzz-n:{seed}:{index}:{i}")  # its own draw: older schedules stay as they were
-        r.n = choices.choice([2, 3, 4]) if choices.random() < 0.25 else 1
+        r.n = choices.choice([2, 3, 4]) if choices.random() < choices_rate else 1
         reqs.append(r)
     page_size = rng.choice([4, 8, 16])
-    need = max(cdiv(len(r.prompt_ids) + r.n * (r.params.max_tokens + page_size), page_size) for r in reqs)
+    # a request of n choices holds its prompt once and each choice's own pages (at most one page of the prompt each)
+    need = max(cdiv(len(r.prompt_ids) + r.params.max_tokens, page_size)
+               + (r.n - 1) * cdiv(r.params.max_tokens + page_size, page_size) for r in reqs)
     prompts = sorted((cdiv(len(r.prompt_ids), page_size) for r in reqs), reverse=True)
     # two prompts that fit but cannot both grow (preemption), up to roomy enough to keep a prefix cache
     num_pages = max(need, prompts[0] + prompts[1] + rng.choice([0, 1, 2])) if rng.random() < 0.6 else \
@@ -287,7 +291,7 @@ def compare(alone: Alone, r: Req, tie_margin: float, seq=None) -> dict | None:
 
 
 def fuzz_one(model, alone: Alone, seed: int, index: int, args, client, prefix: str) -> dict:
-    sch = make_schedule(model.tokenizer, seed, index, args.requests)
+    sch = make_schedule(model.tokenizer, seed, index, args.requests, getattr(args, "choices", 0.25))
     t = time.perf_counter()
     ran = run_schedule(model, sch, client, prefix)
     planted = {r.sentinel for r in sch.reqs}
@@ -301,7 +305,8 @@ def fuzz_one(model, alone: Alone, seed: int, index: int, args, client, prefix: s
             if diff:
                 diff["request"] = r.describe() + (f" choice {seq.index}" if r.n > 1 else "")
                 (ties if diff["tolerated"] else divergences).append(diff)
-    replay = f"python -m bench.fuzz --seed {seed} --schedule {index}" + (" --model tiny" if args.model == "tiny" else "")
+    replay = f"python -m bench.fuzz --seed {seed} --schedule {index}" + (" --model tiny" if args.model == "tiny" else "") \
+        + (f" --choices {args.choices}" if getattr(args, "choices", 0.25) != 0.25 else "")
     return {"seed": seed, "schedule": index, "requests": len(sch.reqs), "page_size": sch.page_size, "num_pages": sch.num_pages,
             "chunk_size": sch.chunk_size, "max_num_seqs": sch.max_num_seqs,
             "aborted": sum(r.aborted for r in sch.reqs), "stops": sum(bool(r.params.stop) for r in sch.reqs),
@@ -332,6 +337,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tie-margin", type=float, default=0.01,
                         help="a flip at a position whose alone top-2 log-prob margin is below this is tolerated")
     parser.add_argument("--seconds", type=float, default=None, help="stop starting schedules after this long")
+    parser.add_argument("--choices", type=float, default=0.25,
+                        help="share of requests with n > 1 choices (2..4), forked after one prefill")
     args = parser.parse_args(argv)
     import redis
 
