@@ -5,7 +5,10 @@ in-process engine (inference.engine.Engine on a HostLedger over a real RedisLedg
 small enough to force preemption and evictions): staggered arrivals, shared system prompts (the same text
 in both tenants' scopes, so a cross-scope hit would show), a unique sentinel in every prompt, stop strings,
 aborts (at a random step, possibly before admission) and disconnects (an abort after the client saw some
-tokens). Every greedy output is then compared with the same request run alone on a plain engine (no prefix
+tokens), and requests of n > 1 choices (prefilled once on a plain prefill engine, forked into the fuzzed engine
+with Engine.add_prefilled_choices: the choices share the prompt's pages under the request's own scope, are
+preempted and recomputed on their own, and all end with the request's abort). Every greedy output (every
+choice's: greedy choices are the same answer) is then compared with the same request run alone on a plain engine (no prefix
 cache, a pool that never preempts):
 
 - a request that finished: equal token for token (and text);
@@ -81,12 +84,24 @@ class Req:
     disconnect_after: int | None = None  # abort once it has this many output tokens
     seq: object = None
     aborted: bool = False
+    n: int = 1  # choices (forked after a prefill of its own)
+    seqs: list = field(default_factory=list)  # its choices' sequences (n > 1)
+
+    @property
+    def outputs(self) -> list:
+        """The sequences whose outputs are judged: the request's, or each of its choices'."""
+        return self.seqs if self.n > 1 else [self.seq]
+
+    @property
+    def done(self) -> bool:
+        return all(s.is_done for s in self.outputs)
 
     def describe(self) -> str:
         p = self.params
         how = (f" abort@{self.abort_at}" if self.abort_at is not None else "") + (
             f" disconnect@{self.disconnect_after}tok" if self.disconnect_after else "")
         return (f"{self.rid} {self.tenant} arrive@{self.arrive} prompt={len(self.prompt_ids)} max={p.max_tokens}"
+                f"{f' n={self.n}' if self.n > 1 else ''}"
                 f"{' stop=' + repr(p.stop) if p.stop else ''}{how}")
 
 
@@ -101,7 +116,9 @@ class Schedule:
     reqs: list[Req] = field(default_factory=list)
 
 
-def make_schedule(tokenizer, seed: int, index: int, max_requests: int) -> Schedule:
+def make_schedule(tokenizer, seed: int, index: int, max_requests: int, choices_rate: float = 0.25) -> Schedule:
+    """Schedule `index` of `seed`; `choices_rate`: the share of requests of n > 1 choices (0: none, and the
+    schedule is the one this seed and index gave before n > 1 was fuzzed)."""
     rng = random.Random(f"kvserve-fuzz:{seed}:{index}")
     reqs = []
     for i in range(rng.randint(max(2, max_requests // 2), max_requests)):
@@ -117,9 +134,13 @@ def make_schedule(tokenizer, seed: int, index: int, max_requests: int) -> Schedu
             r.abort_at = r.arrive + rng.randint(0, 6)
         elif roll < 0.24:
             r.disconnect_after = rng.randint(1, max(1, params.max_tokens // 2))
+        choices = random.Random(f"kvserve-fuzz-n:{seed}:{index}:{i}")  # its own draw: older schedules stay as they were
+        r.n = choices.choice([2, 3, 4]) if choices.random() < choices_rate else 1
         reqs.append(r)
     page_size = rng.choice([4, 8, 16])
-    need = max(cdiv(len(r.prompt_ids) + r.params.max_tokens, page_size) for r in reqs)
+    # a request of n choices holds its prompt once and each choice's own pages (at most one page of the prompt each)
+    need = max(cdiv(len(r.prompt_ids) + r.params.max_tokens, page_size)
+               + (r.n - 1) * cdiv(r.params.max_tokens + page_size, page_size) for r in reqs)
     prompts = sorted((cdiv(len(r.prompt_ids), page_size) for r in reqs), reverse=True)
     # two prompts that fit but cannot both grow (preemption), up to roomy enough to keep a prefix cache
     num_pages = max(need, prompts[0] + prompts[1] + rng.choice([0, 1, 2])) if rng.random() < 0.6 else \
@@ -180,23 +201,37 @@ def run_schedule(model, sch: Schedule, client, prefix: str, max_steps: int = 500
 
     engine = Engine(model, EngineConfig(num_pages=sch.num_pages, page_size=sch.page_size, chunk_size=sch.chunk_size,
                                         max_num_seqs=sch.max_num_seqs, prefix_cache=True), allocator_factory=allocator)
+    prefill = Engine(model, EngineConfig(num_pages=512, page_size=sch.page_size))  # n > 1 requests' one prefill
     evictions = Counting(engine.prefix_cache)
     problems = []
     step = 0
     try:
         pending = sorted(sch.reqs, key=lambda r: r.arrive)
+        forks = []  # n > 1 requests prefilled, waiting for their choices to fit
         while step < max_steps:
             while pending and pending[0].arrive <= step:
                 r = pending.pop(0)
-                r.seq = engine.add_request(r.rid, r.prompt_ids, r.params, salt=salt_of(r.tenant))
+                if r.n > 1:
+                    forks.append((r, prefilled(prefill, r)))
+                else:
+                    r.seq = engine.add_request(r.rid, r.prompt_ids, r.params, salt=salt_of(r.tenant))
+            for r, (first, blob) in list(forks):
+                if r.abort_at is not None and step >= r.abort_at:  # ended before its choices were admitted
+                    forks.remove((r, (first, blob)))
+                    r.aborted, r.seqs = True, []
+                    continue
+                got = engine.add_prefilled_choices(r.rid, r.prompt_ids, first, blob, [r.params] * r.n)
+                if got is not None:
+                    forks.remove((r, (first, blob)))
+                    r.seqs, r.seq = got, got[0]
             for r in sch.reqs:
-                if r.seq is None or r.aborted or r.seq.is_done:
+                if r.seq is None or r.aborted or r.done:
                     continue
                 if (r.abort_at is not None and step >= r.abort_at) or (
                         r.disconnect_after and len(r.seq.output_ids) >= r.disconnect_after):
                     engine.abort(r.rid, "client_disconnected")
                     r.aborted = True
-            if not pending and not engine.has_work:
+            if not pending and not forks and not engine.has_work:
                 break
             engine.step()
             step += 1
@@ -208,20 +243,33 @@ def run_schedule(model, sch: Schedule, client, prefix: str, max_steps: int = 500
         report = pool_report(client, prefix, pool_id)
         if report["owned"] or report["dirty"] or report["integrity"] != "ok":
             problems.append(f"pool after drain: {report}")
+        if engine.groups:
+            problems.append(f"engine still holds the shared pages of {sorted(engine.groups)}")
         if report["cached"] != len(engine.prefix_cache):
             problems.append(f"ledger has {report['cached']} cached pages, the engine's index {len(engine.prefix_cache)}")
         hits = sum(engine.prefix_cache.hits.values())
         return {"steps": step, "problems": problems, "preemptions": engine.scheduler.num_preemptions,
+                "choice_preemptions": sum(c.num_preemptions for r in sch.reqs if r.n > 1 for c in r.seqs),
                 "prefix_hits": hits, "evicted_pages": evictions.evicted, "cached_at_end": report["cached"]}
     finally:
         if ledgers:
             ledgers[0].ledger.unregister()
 
 
-def compare(alone: Alone, r: Req, tie_margin: float) -> dict | None:
-    """None when r's output agrees with its alone run; else what differs (a tolerated near-tie flip has
-    "tolerated": True and its margin)."""
-    seq = r.seq
+def prefilled(prefill: Engine, r: Req) -> tuple[list[int], object]:
+    """Every choice's first token and the prompt's KV blob of an n > 1 request, from one prefill."""
+    seq = prefill.add_request(r.rid, r.prompt_ids, r.params, prefill_only=True, choices=r.n)
+    while not seq.is_done:
+        prefill.step()
+    blob, _ = prefill.export_kv(seq)
+    prefill.release(seq)
+    return list(seq.choice_tokens), blob
+
+
+def compare(alone: Alone, r: Req, tie_margin: float, seq=None) -> dict | None:
+    """None when r's output (or its choice `seq`'s) agrees with its alone run; else what differs (a tolerated
+    near-tie flip has "tolerated": True and its margin)."""
+    seq = seq or r.seq
     ref_ids, ref_text, ref_reason = alone.run(r.prompt_ids, r.params)
     got = list(seq.output_ids)
     if seq.error and not r.aborted:
@@ -243,23 +291,26 @@ def compare(alone: Alone, r: Req, tie_margin: float) -> dict | None:
 
 
 def fuzz_one(model, alone: Alone, seed: int, index: int, args, client, prefix: str) -> dict:
-    sch = make_schedule(model.tokenizer, seed, index, args.requests)
+    sch = make_schedule(model.tokenizer, seed, index, args.requests, getattr(args, "choices", 0.25))
     t = time.perf_counter()
     ran = run_schedule(model, sch, client, prefix)
     planted = {r.sentinel for r in sch.reqs}
     divergences, ties, foreign, echoed = [], [], [], 0
     for r in sch.reqs:
-        seen = sightings([r.seq.text], {r.sentinel}, planted)
-        foreign += [f"{r.rid} ({r.tenant}) output holds {s}" for s in seen]
-        echoed += r.sentinel in r.seq.text
-        diff = compare(alone, r, args.tie_margin)
-        if diff:
-            diff["request"] = r.describe()
-            (ties if diff["tolerated"] else divergences).append(diff)
-    replay = f"python -m bench.fuzz --seed {seed} --schedule {index}" + (" --model tiny" if args.model == "tiny" else "")
+        for seq in r.outputs if r.seq is not None else []:
+            seen = sightings([seq.text], {r.sentinel}, planted)
+            foreign += [f"{seq.request_id} ({r.tenant}) output holds {s}" for s in seen]
+            echoed += r.sentinel in seq.text
+            diff = compare(alone, r, args.tie_margin, seq)
+            if diff:
+                diff["request"] = r.describe() + (f" choice {seq.index}" if r.n > 1 else "")
+                (ties if diff["tolerated"] else divergences).append(diff)
+    replay = f"python -m bench.fuzz --seed {seed} --schedule {index}" + (" --model tiny" if args.model == "tiny" else "") \
+        + (f" --choices {args.choices}" if getattr(args, "choices", 0.25) != 0.25 else "")
     return {"seed": seed, "schedule": index, "requests": len(sch.reqs), "page_size": sch.page_size, "num_pages": sch.num_pages,
             "chunk_size": sch.chunk_size, "max_num_seqs": sch.max_num_seqs,
             "aborted": sum(r.aborted for r in sch.reqs), "stops": sum(bool(r.params.stop) for r in sch.reqs),
+            "choices": sum(r.n for r in sch.reqs if r.n > 1),
             "echoed_own_sentinel": echoed, **ran, "divergences": divergences, "near_ties": ties,
             "foreign_sightings": foreign, "wall_s": time.perf_counter() - t, "replay": replay,
             "passed": not (divergences or foreign or ran["problems"])}
@@ -286,6 +337,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tie-margin", type=float, default=0.01,
                         help="a flip at a position whose alone top-2 log-prob margin is below this is tolerated")
     parser.add_argument("--seconds", type=float, default=None, help="stop starting schedules after this long")
+    parser.add_argument("--choices", type=float, default=0.25,
+                        help="share of requests with n > 1 choices (2..4), forked after one prefill")
     args = parser.parse_args(argv)
     import redis
 
@@ -325,6 +378,7 @@ def main(argv=None) -> int:
         "requests": sum(r["requests"] for r in results), "preemptions": sum(r["preemptions"] for r in results),
         "prefix_hits": sum(r["prefix_hits"] for r in results), "evicted_pages": sum(r["evicted_pages"] for r in results),
         "aborted": sum(r["aborted"] for r in results), "stops": sum(r["stops"] for r in results),
+        "choices": sum(r["choices"] for r in results),
         "echoed_own_sentinel": sum(r["echoed_own_sentinel"] for r in results),
         "divergences": [dict(d, replay=r["replay"]) for r in results for d in r["divergences"]],
         "near_ties": [dict(d, replay=r["replay"]) for r in results for d in r["near_ties"]],

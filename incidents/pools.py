@@ -6,6 +6,7 @@ from redis.exceptions import ResponseError
 
 from incidents.utilization import utilization_history_get, utilization_sample_record
 from inference.allocator import LedgerError
+from inference.choices import SCOPE_PREFIX, request_of
 from inference.ledger import RedisLedger
 from kvserve.chat.models import ChatRequest
 from kvserve.chat.salt import scope_owners
@@ -26,7 +27,9 @@ def page_map_get(snapshot: dict, *, show_names: bool) -> dict:
 
     Tenant names (and request ids) only when show_names (superusers); others see "tenant #n".
     """
-    owners = {state["owner"] for state in snapshot.values() if isinstance(state, dict) and "scope" not in state}
+    owners = {request_of(state["owner"]) for state in snapshot.values() if isinstance(state, dict) and "scope" not in state}
+    owners |= {request_of(r) for state in snapshot.values() if isinstance(state, dict)  # n choices' shared prompt
+               and str(state.get("scope", "")).startswith(SCOPE_PREFIX) for r in state.get("readers") or ()}
     tenants = _tenants_of(owners)
     scopes = scope_owners() if any(isinstance(s, dict) and "scope" in s for s in snapshot.values()) else {}
     cells, legend = [], {}
@@ -36,11 +39,15 @@ def page_map_get(snapshot: dict, *, show_names: bool) -> dict:
             cells.append({"free": FREE, "dirty": DIRTY}.get(state, LOST))
             continue
         cached = "scope" in state  # a prefix-cache page: its owner is its scope's cache entry
-        if cached:
+        if cached and state["scope"].startswith(SCOPE_PREFIX):  # one request's shared prompt: its readers' tenant
+            readers = [request_of(r) for r in state.get("readers") or ()]
+            tenant_id, name = next((tenants[r] for r in readers if r in tenants),
+                                   (OTHER, "the shared prompt of a request's choices"))
+        elif cached:
             tenant_id, name = scopes.get(state["scope"], (None, "a scope narrowed by user"))
             tenant_id, name = (OTHER, f"prefix cache ({name})") if tenant_id is None else (tenant_id, name)
         else:
-            tenant_id, name = tenants.get(state["owner"], (OTHER, "not a chat request"))
+            tenant_id, name = tenants.get(request_of(state["owner"]), (OTHER, "not a chat request"))
         label = name if tenant_id == OTHER or show_names else f"tenant #{tenant_id}"
         entry = legend.setdefault(tenant_id, {"code": tenant_id, "label": label, "pages": 0, "cached": 0,
                                               "requests": set()})
@@ -48,7 +55,7 @@ def page_map_get(snapshot: dict, *, show_names: bool) -> dict:
         if cached:
             entry["cached"] += 1
         else:
-            entry["requests"].add(state["owner"])
+            entry["requests"].add(request_of(state["owner"]))
         cells.append(tenant_id)
     for entry in legend.values():
         requests = sorted(entry.pop("requests"))

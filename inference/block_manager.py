@@ -6,7 +6,8 @@ allocate, append, write and free, so the per-token guard needs no Redis round tr
 `allocate` (a sequence's first pages), `can_append`/`append_slots` (a step's growth, one ledger call for
 every sequence that crosses a page boundary), `deallocate` (finish and preemption alike: free + scrub).
 A sequence's block table may start with shared pages (`seq.num_shared`, read from the prefix cache):
-those must be cached pages of the sequence's own scope (`seq.salt`), and are never written.
+those must be cached pages of the sequence's own scope (`seq.scope`: its salt, or for one of a request's n
+choices the request's own scope, inference.choices), and are never written.
 """
 from dataclasses import dataclass
 
@@ -156,13 +157,13 @@ class BlockManager:
 
     # ---- shared pages ------------------------------------------------------------------------------
     def share(self, seq: Sequence, pages, epochs) -> bool:
-        """`seq` (holding nothing yet) reads cached pages of its scope as the start of its block table; False
-        when one left the cache meanwhile (nothing recorded)."""
+        """`seq` (holding nothing yet) reads cached pages of its scope (`seq.scope`) as the start of its block
+        table; False when one left the cache meanwhile (nothing recorded)."""
         if seq.block_table:
             raise ValueError(f"{seq} holds pages already: shared pages start a block table")
         if not pages:
             return True
-        if not self.allocator.hit(seq.request_id, seq.salt, list(pages), list(epochs)):
+        if not self.allocator.hit(seq.request_id, seq.scope, list(pages), list(epochs)):
             return False
         for page in pages:
             self.readers[page] += 1
@@ -184,18 +185,18 @@ class BlockManager:
         seq.num_shared = 0
 
     def cache_pages(self, seq: Sequence, indices: list[int]) -> str | None:
-        """`seq`'s own, written, full pages at `indices` of its table go to its scope's cache entry; None when
+        """`seq`'s own, written, full pages at `indices` of its table go to its scope's (`seq.scope`) cache entry; None when
         the ledger did not take them (they stay `seq`'s, freed with the rest of its pages)."""
         pages = [seq.block_table[i] for i in indices]
         epochs = [seq.page_epochs[i] for i in indices]
         for i, page in zip(indices, pages):
             if i < seq.num_shared or self.owner[page] != seq.request_id or self.written[page] != self.page_size:
                 raise ValueError(f"page {page} of {seq} is not its own full page; only those are cached")
-        entry = self.allocator.cache(seq.request_id, seq.salt, pages, epochs)
+        entry = self.allocator.cache(seq.request_id, seq.scope, pages, epochs)
         if entry is None:
             return None
         for page in pages:
-            self.owner[page], self.scope[page] = entry, seq.salt
+            self.owner[page], self.scope[page] = entry, seq.scope
         return entry
 
     def evict_pages(self, salt: str, pages, epochs) -> None:
@@ -233,11 +234,12 @@ class BlockManager:
         if self.check_owner and num_new and num_past // ps < seq.num_shared:
             page = seq.block_table[num_past // ps]
             self._raise("shared_write", seq, page, num_past, self.written[page], seq.page_epochs[num_past // ps])
-        scope_owner = cache_entry(seq.salt) if seq.num_shared else None
+        scope = seq.scope
+        scope_owner = cache_entry(scope) if seq.num_shared else None
         for i, (page, epoch) in enumerate(zip(seq.block_table, seq.page_epochs)):
             if self.check_owner:
                 if i < seq.num_shared:  # a cached page of the sequence's own scope, held by that scope's entry
-                    if self.scope[page] != seq.salt or self.owner[page] != scope_owner:
+                    if scope is None or self.scope[page] != scope or self.owner[page] != scope_owner:
                         self._raise("foreign_read", seq, page, num_past, self.written[page], epoch)
                 elif self.owner[page] != rid:
                     self._raise("foreign_read", seq, page, num_past, self.written[page], epoch)
@@ -253,7 +255,9 @@ class BlockManager:
         pages = list(seq.block_table)
         return {"request": seq.request_id, "pool": self.pool_id, "pages": pages, "epochs": list(seq.page_epochs),
                 "owners": [self.owner[p] for p in pages], "page_epochs": [self.epoch[p] for p in pages],
-                "written": [self.written[p] for p in pages], "read_len": seq.num_cached}
+                "written": [self.written[p] for p in pages], "read_len": seq.num_cached,
+                "shared": seq.num_shared, "scope": seq.scope if seq.num_shared else None,
+                "choice_of": seq.choice_of}
 
     def _raise(self, kind, seq, page, read_len, watermark, reader_epoch):
         raise OwnershipViolation(Violation(

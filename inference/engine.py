@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 import torch
 
 from inference import admission
-from inference.allocator import LocalAllocator, PageAllocator
+from inference.allocator import LocalAllocator, PageAllocator, cache_entry
 from inference.attention import select_backend
 from inference.block_manager import BlockManager, OwnershipViolation, Violation
+from inference.choices import ChoiceGroup, choice_id, choice_params, choice_scope
 from inference.faults import NO_FAULTS, Faults
 from inference.grammar import grammar_accept, grammar_attach, grammar_mask
 from inference.kv_cache import PagePool, cdiv, page_checksums
@@ -137,12 +138,15 @@ class Engine:
             pc, sched = self.prefix_cache, self.scheduler
             sched.admit = lambda seq: pc.admit(seq, lambda s: sched.pages_to_admit(s, s.num_tokens),
                                                sched.admission_keep_free(seq))
+        admit = self.scheduler.admit
+        self.scheduler.admit = lambda seq: self._readmit_choice(seq) if seq.choice_of else admit(seq)
         self.runner = StepBuilder(self.pool, fresh_reads_pool=self.attention_backend == "xformers")
         self.window = config.window or mc.max_position
         self.tokenizer = model.tokenizer
         self.fingerprint = model.fingerprint
         self.violations: list[Violation] = []  # since the last take_violations()
         self.seqs: dict[str, Sequence] = {}
+        self.groups: dict[str, ChoiceGroup] = {}  # request id -> its choices' shared prompt pages (decode side)
         self.num_decode_tokens = 0
         config.faults.announce(f"engine pool {allocator.pool_id}")
 
@@ -181,14 +185,21 @@ class Engine:
                                          f"window {self.window}, pool {self.capacity_tokens}")
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    prefill_only: bool = False, salt: str | None = None) -> Sequence:
-        """Queues a request. `salt` (the server-derived scope) lets it reuse and fill the prefix cache."""
-        if request_id in self.seqs:
+                    prefill_only: bool = False, salt: str | None = None, choices: int = 1,
+                    score: bool = False) -> Sequence:
+        """Queues a request. `salt` (the server-derived scope) lets it reuse and fill the prefix cache.
+        `choices` > 1 (a prefill only): the first token of every choice is sampled from the prompt's logits, each
+        with its own seed (inference.choices; `score`: with its logprob, to rank best_of)."""
+        if request_id in self.seqs or request_id in self.groups:
             raise DuplicateRequest(f"request {request_id} is already in this engine")
-        reason = self.admission_error(len(prompt_ids), params.max_tokens)
+        reason = self.admission_error(len(prompt_ids), params.max_tokens * choices)  # prompt once + n x max_tokens
         if reason:
             raise RequestTooLarge(reason)
-        seq = Sequence(request_id, prompt_ids, params, prefill_only, salt if self.prefix_cache is not None else None)
+        if choices > 1 and not prefill_only:
+            raise ValueError("a request's choices are forked after its prefill (add_prefilled_choices)")
+        plist = choice_params(params, choices, score) if choices > 1 else [params]
+        seq = Sequence(request_id, prompt_ids, plist[0], prefill_only, salt if self.prefix_cache is not None else None)
+        seq.choice_params, seq.score_only = plist[1:], score and choices > 1
         grammar_attach(seq, self.tokenizer, self.model.config.vocab_size)  # GrammarError: refused, nothing queued
         self.scheduler.add(seq)
         self.seqs[request_id] = seq
@@ -212,6 +223,7 @@ class Engine:
         self.runner.release(seq)
         if seq.block_table:
             self.block_manager.deallocate(seq)
+        self._leave_group(seq)
         self.seqs.pop(seq.request_id, None)
 
     def add_prefilled(self, request_id: str, prompt_ids: list[int], first_token: int, blob: torch.Tensor,
@@ -246,11 +258,133 @@ class Engine:
             self.scheduler.add_running(seq)
         return seq
 
+    def add_prefilled_choices(self, request_id: str, prompt_ids: list[int], first_tokens: list[int],
+                              blob: torch.Tensor, params: list[SamplingParams], num_transferred: int | None = None,
+                              first_logprobs: list | None = None, score: bool = False) -> list[Sequence] | None:
+        """Forks a verified handoff into the request's n choices (n = len(first_tokens), params[i] choice i's).
+        The prompt's full pages are imported once and handed to the request's own scope (a cache entry of
+        `choice_scope(request_id)`, never a tenant's): every choice reads them shared, read-only, under that
+        scope. Each choice owns the rest: its copy of the partly filled last prompt page (which it writes
+        into) and its decode pages. The shared pages are freed and scrubbed when the last choice leaves
+        (`_leave_group`). All n are admitted together or not at all: None when they do not fit now (nothing
+        is held then); RequestTooLarge when they never can. `score`: logprobs computed only to rank best_of."""
+        n, ps, bm = len(first_tokens), self.page_size, self.block_manager
+        if request_id in self.seqs or request_id in self.groups:
+            raise DuplicateRequest(f"request {request_id} is already in this engine")
+        if n < 2 or len(params) != n:
+            raise ValueError(f"{n} first tokens and {len(params)} parameters: a fork is of 2 or more choices")
+        num_prompt = len(prompt_ids)
+        reason = self.admission_error(num_prompt, max(p.max_tokens for p in params) * n)
+        written = num_prompt if num_transferred is None else min(num_prompt, num_transferred)
+        num_full = written // ps  # only full, written pages are shared; the guard judges the rest per choice
+        own = max(1, cdiv(num_prompt, ps) - num_full)  # a choice always owns the page it writes next (the ledger
+        # grows only owners that hold pages)
+        whole = num_full + sum(cdiv(num_prompt - num_full * ps + p.max_tokens, ps) for p in params)
+        if reason is None and whole > self.num_pages:
+            reason = f"{n} choices need {whole} pages (the prompt's {num_full} full ones once); the pool has " \
+                     f"{self.num_pages}"
+        if reason:
+            raise RequestTooLarge(reason)
+        if blob.shape[0] != cdiv(num_prompt, ps):
+            raise ValueError(f"blob of {blob.shape[0]} pages for a prompt of {num_prompt} tokens")
+        scope = choice_scope(request_id)
+        seqs = []
+        for i, p in enumerate(params):
+            seq = Sequence(choice_id(request_id, i), prompt_ids, p)
+            seq.choice_of, seq.index, seq.share_scope, seq.score_only = request_id, i, scope, score
+            grammar_attach(seq, self.tokenizer, self.model.config.vocab_size, replay=[first_tokens[i]])
+            seqs.append(seq)
+        if self.scheduler.waits_for_preempted(seqs[0]):
+            return None
+        free, keep = bm.num_free(), self.scheduler.admission_keep_free(seqs[0])
+        if free is not None and free < num_full + n * own + keep:
+            if self.prefix_cache is None or self.prefix_cache.evict(num_full + n * own + keep) == 0:
+                return None
+        group = ChoiceGroup(scope, [], [], {s.request_id for s in seqs})
+        self.groups[request_id] = group
+        holder = seqs[0]
+        try:
+            if num_full:
+                if not bm.allocate(holder, num_full):
+                    return self._unfork(request_id, seqs)
+                self.pool.import_pages(holder.block_table, blob[:num_full])
+                bm.mark_written(holder, num_full * ps)
+                if bm.cache_pages(holder, list(range(num_full))) is None:  # the ledger did not take them
+                    self._unfork(request_id, seqs)
+                    raise RuntimeError(f"the ledger refused the shared prompt pages of {request_id}")
+                group.pages, group.epochs = list(holder.block_table), list(holder.page_epochs)
+                holder.block_table, holder.page_epochs = [], []
+            for seq in seqs:
+                if not bm.share(seq, group.pages, group.epochs) or not bm.allocate(seq, own):
+                    return self._unfork(request_id, seqs)
+                if blob.shape[0] > num_full:  # its own copy of the partly filled (or unwritten) prompt pages
+                    self.pool.import_pages(seq.block_table[num_full:blob.shape[0]], blob[num_full:])
+                bm.mark_written(seq, written)
+                seq.num_cached = num_prompt
+        except BaseException:
+            if request_id in self.groups:
+                self._unfork(request_id, seqs)
+            raise
+        for seq, token, lp in zip(seqs, first_tokens, first_logprobs or [None] * n):
+            self.seqs[seq.request_id] = seq
+            if lp is not None:
+                seq.cumulative_logprob = float(lp[0])
+            self._append_token(seq, token)
+        for seq in seqs:
+            if seq.is_done:
+                seq.read_record = bm.read_record(seq)
+                self.release(seq)
+                self.seqs[seq.request_id] = seq
+            else:
+                self.scheduler.add_running(seq)
+        return seqs
+
+    def _readmit_choice(self, seq: Sequence) -> bool:
+        """A preempted choice resumes on its request's shared prompt pages (held while any of its choices is here):
+        it reads them again and recomputes only what it owns, so the choices never need more than admission
+        counted (the prompt once). False when its own pages do not fit now (nothing held then)."""
+        bm, group = self.block_manager, self.groups.get(seq.choice_of)
+        if group is not None and group.pages and not bm.share(seq, group.pages, group.epochs):
+            return False
+        if not bm.allocate(seq, self.scheduler.pages_to_admit(seq, seq.num_tokens),
+                           self.scheduler.admission_keep_free(seq)):
+            bm.unshare(seq)
+            return False
+        seq.num_cached = seq.num_shared * self.page_size
+        return True
+
+    def _unfork(self, request_id: str, seqs: list[Sequence]) -> None:
+        """A fork that did not fit: whatever its choices took goes back (scrubbed), the shared pages last."""
+        for seq in seqs:
+            if seq.block_table:
+                self.block_manager.deallocate(seq)
+            self._leave_group(seq)
+        return None
+
+    def _leave_group(self, seq: Sequence) -> None:
+        """A choice holds no pages any more; after the last one its request's shared prompt pages go (no reader is
+        left: each choice's reads ended with its pages), scrubbed like any freed page."""
+        group = self.groups.get(seq.choice_of) if seq.choice_of else None
+        if group is None:
+            return
+        group.members.discard(seq.request_id)
+        if not group.members:
+            del self.groups[seq.choice_of]
+            if group.pages:
+                self.block_manager.evict_pages(group.scope, group.pages, group.epochs)
+
     def abort(self, request_id: str, reason: str = "aborted") -> Sequence | None:
         """Ends the request whatever its state and takes it out of the engine: one still running, or done but
         still holding pages (a prefill awaiting its export, a finish whose release failed midway), fails with
         `reason` and every page it holds is freed and scrubbed (never cached). The sequence, or None when the
         engine had none."""
+        if request_id in self.groups:  # every choice of the request
+            choices = [self.seqs.get(m) for m in sorted(self.groups[request_id].members)]
+            ended = [self.abort(seq.request_id, reason) for seq in choices if seq is not None]
+            if request_id in self.groups:  # members that were never admitted here
+                self._unfork(request_id, [])
+                self.groups.pop(request_id, None)
+            return ended[0] if ended else None
         seq = self.seqs.get(request_id)
         if seq is None:
             return None
@@ -261,7 +395,7 @@ class Engine:
 
     # ---- state the engine's host reads and hands back ---------------------------------------
     def has_request(self, request_id: str) -> bool:
-        return request_id in self.seqs
+        return request_id in self.seqs or request_id in self.groups
 
     def pages_of(self, request_id: str) -> tuple[list[int], list[int]] | None:
         """(pages, epochs) a running request holds, or None."""
@@ -276,6 +410,9 @@ class Engine:
         if seq is not None:
             k = seq.num_shared
             return list(seq.block_table[k:]), list(seq.page_epochs[k:]), list(seq.block_table[:k])
+        for group in self.groups.values():  # a request scope's entry: its choices' shared prompt pages
+            if cache_entry(group.scope) == owner:
+                return list(group.pages), list(group.epochs), []
         cached = self.prefix_cache.entry_pages(owner) if self.prefix_cache is not None else []
         return [c.page for c in cached], [c.epoch for c in cached], []
 
@@ -311,6 +448,12 @@ class Engine:
                 self.block_manager.release_all(seq)
             seq.block_table, seq.page_epochs = [], []
             failed.append(seq)
+        for request_id, group in list(self.groups.items()):
+            if not pages.isdisjoint(group.pages):  # reaped with its entry: forgotten and scrubbed here
+                pages.update(group.pages)
+                group.pages, group.epochs = [], []
+        for seq in failed:
+            self._leave_group(seq)
         if self.prefix_cache is not None:
             self.prefix_cache.forget(pages)
         ordered = sorted(pages)
@@ -329,7 +472,7 @@ class Engine:
             self.scheduler.remove(seq)
             self.runner.release(seq)
             seq.block_table, seq.page_epochs, seq.num_shared = [], [], 0
-        self.seqs = {}
+        self.seqs, self.groups = {}, {}
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
         self.block_manager.forget(range(self.pool.num_pages))  # scrubs every page under on_free
@@ -381,10 +524,30 @@ class Engine:
                             self.tokenizer.eos_ids)
             grammar_accept(to_sample, tokens)
             logprobs = sampled_logprobs(logits, tokens, [s.params.logprobs for s in to_sample])
+            self._sample_choices(to_sample, logits, tokens, logprobs)
             for seq, token, lp in zip(to_sample, tokens, logprobs):
                 events.append(self._on_token(seq, token))
-                events[-1].logprobs = lp
+                events[-1].logprobs = self._scored(seq, lp)
         return events
+
+    def _sample_choices(self, seqs: list[Sequence], logits, tokens: list[int], logprobs: list) -> None:
+        """A prefill of n choices: the first token of every choice, sampled from the same logits row, each with
+        its own seed (choice 0's is the row's own)."""
+        for row, seq in enumerate(seqs):
+            if seq.prefill_only and seq.choice_params:
+                k = len(seq.choice_params)
+                rows = logits[row:row + 1].expand(k, -1)
+                extra = sample(rows, seq.choice_params, [0] * k, [seq.prompt_ids] * k, [[] for _ in range(k)],
+                               self.tokenizer.eos_ids)
+                lps = sampled_logprobs(rows, extra, [p.logprobs for p in seq.choice_params])
+                seq.choice_tokens, seq.choice_logprobs = [tokens[row], *extra], [logprobs[row], *lps]
+
+    @staticmethod
+    def _scored(seq: Sequence, lp):
+        """Adds a sampled token's logprob to its choice's cumulative one; what the step event shows of it."""
+        if lp is not None and seq.choice_of is not None:
+            seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + float(lp[0])
+        return None if seq.score_only else lp
 
     def _prepare(self, chunks: list[ScheduledChunk]):
         return self.runner.build(chunks)
@@ -458,6 +621,7 @@ class Engine:
         self.scheduler.remove(seq)
         self.runner.release(seq)
         self.block_manager.release_all(seq)
+        self._leave_group(seq)
         return StepEvent(seq, None, "", True)
 
     # ---- convenience -----------------------------------------------------------------------

@@ -47,6 +47,8 @@ class Handoff:
     cached_tokens: int = 0  # prompt tokens prefill read from its prefix cache (usage; the blob holds them all)
     created_at: float = field(default_factory=time.time)
     signature: str = ""
+    choice_tokens: tuple[int, ...] = ()  # a request of n > 1 choices: every choice's first token (choice 0's first)
+    choice_logprobs: list | None = None  # and each one's (logprob, top) when computed; signed with the rest
 
     def payload(self) -> bytes:
         body = asdict(self)
@@ -74,6 +76,7 @@ class Handoff:
             d["page_checksums"] = tuple(d["page_checksums"])
             d["page_epochs"] = tuple(d["page_epochs"])
             d["blob_shape"] = tuple(int(n) for n in d.get("blob_shape") or ())
+            d["choice_tokens"] = tuple(int(t) for t in d.get("choice_tokens") or ())
             return cls(**d)
         except (KeyError, TypeError, ValueError) as exc:
             raise HandoffRefused("handoff_forged", f"malformed handoff: {exc}") from exc
@@ -113,6 +116,7 @@ class DecodeSide:
     page_size: int
     dtype: str
     page_shape: tuple[int, ...] | None = None  # None: not checked (a caller without an engine)
+    choices: int = 1  # sequences the task generates (n, or best_of): a handoff carries that many first tokens
 
 
 @dataclass(frozen=True)
@@ -135,6 +139,7 @@ def handoff_accept(message: "dict | Handoff", key: bytes, side: DecodeSide,
     h = message if isinstance(message, Handoff) else Handoff.from_dict(message)
     if check:
         _check_contract(h, key, side)
+    _check_choices(h, side)
     kv = take(h.request_id)
     if kv is None:
         raise HandoffRefused("kv_missing", f"no KV for {h.request_id}: expired, already pulled, or never sent")
@@ -168,6 +173,17 @@ def _check_contract(h: Handoff, key: bytes, side: DecodeSide) -> None:
             (side.page_shape is not None and shape[1:] != tuple(side.page_shape)):
         raise HandoffRefused("handoff_mismatch", f"blob shape {list(shape)} is not {pages} pages of "
                                                  f"{list(side.page_shape or ('?', 2, side.page_size, '?', '?'))}")
+
+
+def _check_choices(h: Handoff, side: DecodeSide) -> None:
+    """A task of n > 1 choices takes a handoff of exactly n first tokens (choice 0's the handoff's own), and one of
+    a single choice a handoff of none: decode never forks more or fewer choices than were sampled for it."""
+    want = side.choices if side.choices > 1 else 0
+    lps = h.choice_logprobs
+    if len(h.choice_tokens) != want or (want and h.choice_tokens[0] != h.first_token) or \
+            (lps is not None and (not isinstance(lps, list) or len(lps) != want)):
+        raise HandoffRefused("handoff_mismatch", f"the handoff carries {len(h.choice_tokens)} choices' first tokens, "
+                                                 f"the task generates {side.choices} choice(s)")
 
 
 def _blob_of(h: Handoff, kv: TransportedKV) -> torch.Tensor:

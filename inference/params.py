@@ -11,6 +11,7 @@ VERSION = 1
 ENDPOINTS = ("chat", "completions")
 _IDENTITY = ("user", "endpoint")  # the legacy flat form's keys that are not sampling choices
 _SHAPE = ("tool_calls",)  # keys of how the answer is shaped, stored only when set
+_CHOICES = ("n", "best_of")  # stored beside them when set
 
 
 # Sampling fields handed to SamplingParams under the same name when set (None leaves the engine's default)
@@ -58,10 +59,28 @@ class RequestParams:
     user: str | None = None  # the request's `user` field: narrows its prefix-cache scope (kvserve/chat/salt.py)
     endpoint: str = "chat"  # whose shape its answer takes: "chat" (chat.completion) or "completions"
     tool_calls: bool = False  # chat: the output's <tool_call> blocks are returned as message.tool_calls (tools.py)
+    n: int | None = None  # choices returned; None: 1
+    best_of: int | None = None  # choices generated, the n best returned (>= n); None: n
 
     def __post_init__(self):
         if self.endpoint not in ENDPOINTS:
             raise ValueError(f"endpoint {self.endpoint!r} is not one of {ENDPOINTS}")
+        if self.num_returned < 1 or self.num_sequences < self.num_returned:
+            raise ValueError(f"n={self.n}, best_of={self.best_of}: 1 <= n <= best_of is required")
+
+    @property
+    def num_returned(self) -> int:
+        return self.n or 1
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the engine generates: best_of, else n."""
+        return self.best_of or self.num_returned
+
+    @property
+    def ranked(self) -> bool:
+        """best_of > n: the n choices with the highest cumulative logprob are returned."""
+        return self.num_sequences > self.num_returned
 
     def with_seed(self, seed: int) -> "RequestParams":
         return replace(self, sampling=replace(self.sampling, seed=seed))
@@ -81,6 +100,7 @@ class RequestParams:
             out["user"] = self.user
         if self.tool_calls:
             out["tool_calls"] = True
+        out.update({k: getattr(self, k) for k in _CHOICES if getattr(self, k) is not None})
         return out
 
     @classmethod
@@ -94,12 +114,16 @@ class RequestParams:
         if data["v"] != VERSION:
             raise ParamsFormatError(f"request parameters version {data['v']!r} are unknown here (this process "
                                     f"reads version {VERSION}): a newer web process stored them; upgrade the workers")
-        unknown = set(data) - {"v", "sampling", *_IDENTITY, *_SHAPE}
+        unknown = set(data) - {"v", "sampling", *_IDENTITY, *_SHAPE, *_CHOICES}
         try:
             if unknown:
                 raise TypeError(f"unknown fields {sorted(unknown)}")
+            if any(data.get(k) is not None and (not isinstance(data[k], int) or isinstance(data[k], bool))
+                   for k in _CHOICES):
+                raise TypeError("n and best_of are integers")
             return cls(Sampling(**data.get("sampling", {})), user=data.get("user"),
-                       endpoint=data.get("endpoint", "chat"), tool_calls=data.get("tool_calls", False))
+                       endpoint=data.get("endpoint", "chat"), tool_calls=data.get("tool_calls", False),
+                       n=data.get("n"), best_of=data.get("best_of"))
         except (TypeError, ValueError) as exc:
             raise ParamsFormatError(f"malformed request parameters {data!r}: {exc}") from None
 
@@ -113,6 +137,7 @@ class RequestParams:
             out["endpoint"] = self.endpoint
         if self.tool_calls:
             out["tool_calls"] = True
+        out.update({k: getattr(self, k) for k in _CHOICES if getattr(self, k) is not None})
         return out
 
 

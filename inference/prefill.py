@@ -19,6 +19,8 @@ class Exported:
     epochs: tuple[int, ...]
     first_logprobs: tuple | None = None
     cached_tokens: int = 0  # prompt tokens read from the prefix cache (the blob holds them all)
+    choice_tokens: tuple[int, ...] = ()  # n > 1 choices: every choice's first token
+    choice_logprobs: tuple | None = None  # and their (logprob, top), when computed
 
 
 def _fields(engine, request_id: str, prompt_tokens: int, worker_id: str) -> dict:
@@ -35,8 +37,9 @@ def prefill_refusal(engine, request_id: str, prompt_ids: list[int], worker_id: s
 def prefill_export(engine, seq: Sequence, first_logprobs=None) -> Exported:
     """Exports a prefilled sequence's pages and releases them (freed and scrubbed by policy)."""
     blob, sums = engine.export_kv(seq)
+    lps = tuple(seq.choice_logprobs) if any(lp is not None for lp in seq.choice_logprobs) else None
     exported = Exported(seq.output_ids[0], blob, tuple(sums), tuple(seq.page_epochs[: blob.shape[0]]), first_logprobs,
-                        seq.cached_tokens)
+                        seq.cached_tokens, tuple(seq.choice_tokens), lps)
     engine.release(seq)
     return exported
 
@@ -48,4 +51,7 @@ def prefill_handoff(engine, request_id: str, prompt_ids: list[int], worker_id: s
                    transferred_tokens=len(prompt_ids) if transferred is None else transferred,
                    num_pages=exported.blob.shape[0], page_checksums=exported.checksums, page_epochs=exported.epochs,
                    first_token=exported.first_token, first_logprobs=exported.first_logprobs,
-                   cached_tokens=exported.cached_tokens, **blob_metadata(exported.blob), **_fields(engine, request_id, len(prompt_ids), worker_id))
+                   cached_tokens=exported.cached_tokens, choice_tokens=exported.choice_tokens,
+                   choice_logprobs=None if exported.choice_logprobs is None else
+                   [None if lp is None else [lp[0], [list(t) for t in lp[1]]] for lp in exported.choice_logprobs],
+                   **blob_metadata(exported.blob), **_fields(engine, request_id, len(prompt_ids), worker_id))

@@ -1,6 +1,7 @@
 """Live probes a worker runs on itself for the canary, inside its engine loop, on pages it allocates for a canary
 owner in its real pool and ledger (never another request's): the read guard (foreign page, unwritten tail,
-stale epoch must each raise in `BlockManager.check_reads`) and scrub-on-free (a marker written into a canary
+stale epoch must each raise in `BlockManager.check_reads`; and a page an n-choice request's choices share, read by
+another request, must raise while its own choice reads it) and scrub-on-free (a marker written into a canary
 page is gone from the page's bytes once the page is freed through the normal path). A pool with no free page
 now answers "busy:" (not proven, not broken). A probe never records a
 violation, an incident or a quarantine: its result is returned, and stored by `ProbeRecords`, which owns the
@@ -9,10 +10,12 @@ import json
 import uuid
 
 from inference.block_manager import OwnershipViolation
+from inference.choices import choice_scope
 from inference.sequence import SamplingParams, Sequence
 
 CANARY_PROBE_PREFIX = "canary-probe-"  # request ids of canary probe traffic (server-made, never a client's)
-GUARD_CASES = {"foreign_page": "foreign_read", "unwritten_tail": "unwritten_read", "stale_epoch": "stale_epoch"}
+GUARD_CASES = {"foreign_page": "foreign_read", "unwritten_tail": "unwritten_read", "stale_epoch": "stale_epoch",
+               "choice_shared_page": "foreign_read"}
 
 
 def _owner(kind: str) -> Sequence:
@@ -30,6 +33,7 @@ def guard_probe(engine) -> dict:
     """Three reads the guard must stop, on canary-owned pages: {case: {"expected", "got", "ok"}}, "ok"."""
     bm, ps = engine.block_manager, engine.page_size
     a, b = _owner("guard-a"), _owner("guard-b")
+    evict: list[tuple[str, list[int], list[int]]] = []
     try:
         if not bm.allocate(a, 2) or not bm.allocate(b, 1):
             return {"ok": False, "reason": "busy: no free pages for the guard probe now", "cases": {}}
@@ -43,19 +47,46 @@ def guard_probe(engine) -> dict:
             # a's own page at an epoch it no longer holds
             "stale_epoch": (_reading(a, a.block_table[:1], [a.page_epochs[0] - 1]), 1, 1),
         }
-        cases = {}
-        for case, (seq, past, new) in reads.items():
-            try:
-                bm.check_reads(seq, past, new)
-                got = "allowed"
-            except OwnershipViolation as exc:
-                got = exc.violation.kind
-            cases[case] = {"expected": GUARD_CASES[case], "got": got, "ok": got == GUARD_CASES[case]}
-        return {"ok": all(c["ok"] for c in cases.values()), "cases": cases, "pages": a.block_table + b.block_table}
+        cases = {case: _judge(bm, GUARD_CASES[case], *read) for case, read in reads.items()}
+        pages = a.block_table + b.block_table
+        shared = _choice_case(bm, a, b, evict)
+        if shared is not None:
+            cases["choice_shared_page"] = shared
+        return {"ok": all(c["ok"] for c in cases.values()) and shared is not None, "cases": cases, "pages": pages,
+                **({} if shared is not None else {"reason": "unproven: the ledger did not take the shared page"})}
     finally:
         for seq in (a, b):
             if seq.block_table:
                 bm.deallocate(seq)
+        for scope, pages, epochs in evict:  # the choice case's shared page, after its reader let it go
+            bm.evict_pages(scope, pages, epochs)
+
+
+def _judge(bm, expected: str, seq: Sequence, past: int, new: int) -> dict:
+    try:
+        bm.check_reads(seq, past, new)
+        got = "allowed"
+    except OwnershipViolation as exc:
+        got = exc.violation.kind
+    return {"expected": expected, "got": got, "ok": got == expected}
+
+
+def _choice_case(bm, a: Sequence, b: Sequence, evict: list) -> dict | None:
+    """a's full first page becomes the shared prompt page of a's own n-choice request (its request scope's cache
+    entry, as Engine.add_prefilled_choices makes it): a, its choice, must read it; b, another request claiming it
+    as a shared page of its own request's scope, must be stopped. None when the ledger did not take the page."""
+    a.share_scope = choice_scope(a.request_id)
+    if bm.cache_pages(a, [0]) is None:
+        return None
+    evict.append((a.share_scope, a.block_table[:1], a.page_epochs[:1]))
+    a.num_shared = 1  # a reads it shared now (its second page stays its own)
+    own = _judge(bm, "allowed", a, bm.page_size + 1, 1)
+    thief = _reading(b, a.block_table[:1] + b.block_table, a.page_epochs[:1] + b.page_epochs)
+    thief.share_scope, thief.num_shared = choice_scope(b.request_id), 1
+    case = _judge(bm, "foreign_read", thief, bm.page_size + 1, 1)
+    if not own["ok"]:  # the guard refuses the request's own choice: broken the other way
+        return {**case, "got": f"own choice refused ({own['got']})", "ok": False}
+    return case
 
 
 def scrub_probe(engine) -> dict:

@@ -36,8 +36,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from inference import admission
-from inference.allocator import LocalAllocator
+from inference.allocator import CACHE_ENTRY_PREFIX, LocalAllocator
 from inference.block_manager import OwnershipViolation
+from inference.choices import choice_scope
 from inference.engine import Engine, EngineConfig
 from inference.faults import Faults
 from inference.handoff import DecodeSide, Handoff, HandoffRefused, Verdict, handoff_accept
@@ -61,9 +62,17 @@ def audit_read_record(record: dict) -> list[dict]:
     the epoch it holds, and the reader may not have read more tokens than were written for it."""
     problems = []
     rid = record.get("request")
-    for page, owner, epoch, page_epoch in zip(record.get("pages", []), record.get("owners", []),
-                                              record.get("epochs", []), record.get("page_epochs", [])):
-        if owner != rid:
+    shared, scope = record.get("shared") or 0, record.get("scope")
+    # the prompt pages one of a request's n choices shares are its request's own scope's, recomputed here
+    own_scope = choice_scope(record["choice_of"]) if record.get("choice_of") else None
+    for i, (page, owner, epoch, page_epoch) in enumerate(zip(record.get("pages", []), record.get("owners", []),
+                                                             record.get("epochs", []), record.get("page_epochs", []))):
+        if i < shared and own_scope is not None and (scope != own_scope or owner != CACHE_ENTRY_PREFIX + own_scope):
+            problems.append({"kind": "foreign_read", "page": page, "owner": owner})
+        elif i < shared and own_scope is not None:
+            if epoch != page_epoch:
+                problems.append({"kind": "stale_epoch", "page": page, "reader_epoch": epoch, "page_epoch": page_epoch})
+        elif owner != rid:
             problems.append({"kind": "foreign_read", "page": page, "owner": owner})
         elif epoch != page_epoch:
             problems.append({"kind": "stale_epoch", "page": page, "reader_epoch": epoch, "page_epoch": page_epoch})

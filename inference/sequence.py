@@ -92,10 +92,32 @@ class Sequence:
         self.read_record: dict | None = None  # set when the sequence finishes (BlockManager.read_record)
         self.num_preemptions = 0  # times its pages were taken back and it was recomputed
         self.grammar = None  # its structured-output matcher (inference.grammar.SeqGrammar), when params.structured
+        # one of a request's n choices (inference.choices): the request, the choice's index, the scope of the
+        # prompt pages it shares with its siblings (its own salt stays None: a choice neither reads nor fills
+        # the prefix cache), its log-probability so far, and whether its logprobs were computed only to rank it
+        self.choice_of: str | None = None
+        self.index = 0
+        self.share_scope: str | None = None
+        self.cumulative_logprob: float | None = None
+        self.score_only = False
+        # a prefill of n choices: the parameters of choices 1..n-1, then every choice's first token and logprobs
+        self.choice_params: list[SamplingParams] = []
+        self.choice_tokens: list[int] = []
+        self.choice_logprobs: list = []
 
     @property
     def tenant(self) -> str:
         return self.params.tenant
+
+    @property
+    def owner_request(self) -> str:
+        """The request this sequence answers (itself, or the request whose choice it is)."""
+        return self.choice_of or self.request_id
+
+    @property
+    def scope(self) -> str | None:
+        """The scope of the shared pages at the start of its block table: its choice group's, else its salt."""
+        return self.share_scope or self.salt
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -32,8 +32,9 @@ import torch
 
 from inference.allocator import LedgerError, PoolLost
 from inference.cancel import Cancel, Cancellations
+from inference.choices import best_choices, choice_params, request_of
 from inference.engine import Engine, EngineConfig
-from inference.events import Delta, Done, Error, OutputEvent, Usage
+from inference.events import ChoiceEnd, Delta, Done, Error, OutputEvent, Usage
 from inference.fair_queue import TenantQueues
 from inference.handoff import DecodeSide, Handoff, Verdict, handoff_accept
 from inference.host_ledger import UNREACHABLE, HostLedger
@@ -147,6 +148,8 @@ class PrefillCommand:
     params: SamplingParams
     salt: str | None = None  # the request's prefix-cache scope (server-derived); None: no cache
     future: Future = field(default_factory=Future, compare=False)
+    choices: int = 1  # sequences the request generates (n, or best_of): each one's first token is sampled here
+    score: bool = False  # best_of > n: their logprobs are computed to rank them
 
 
 @dataclass(frozen=True)
@@ -160,10 +163,36 @@ class DecodeCommand:
     first_logprobs: tuple | None = field(default=None, compare=False)  # (logprob, top) of first_token, if asked
     cached_tokens: int = 0  # of the prompt, read from prefill's prefix cache (reported in usage)
     future: Future = field(default_factory=Future, compare=False)
+    choice_tokens: tuple[int, ...] = ()  # n > 1 choices: the verified handoff's first token of each (a fork)
+    choice_logprobs: list | None = field(default=None, compare=False)
+    returned: int = 1  # choices the answer returns (n)
+    score: bool = False  # best_of > n: the n with the highest cumulative logprob are returned
 
     @property
     def tenant(self) -> str:
         return self.params.tenant
+
+
+@dataclass
+class ChoiceRun:
+    """A request of n choices this worker decodes: its sequences, how many the answer returns and whether they are
+    ranked (best_of); its one Done goes out when the last choice ends."""
+
+    seqs: list[Sequence]
+    returned: int
+    ranked: bool
+    cached_tokens: int = 0
+
+    def done(self) -> Done:
+        ends = [ChoiceEnd(s.index, s.finish_reason, len(s.output_ids), s.cumulative_logprob) for s in self.seqs]
+        chosen = best_choices(ends, self.returned, self.ranked)
+        usage = Usage(self.seqs[0].num_prompt_tokens, sum(c.completion_tokens for c in chosen), self.cached_tokens)
+        return Done(chosen[0].finish_reason, usage, tuple(chosen))
+
+    def answer(self) -> list[Sequence]:
+        """The returned choices' sequences, in answer order."""
+        by_index = {s.index: s for s in self.seqs}
+        return [by_index[c.index] for c in self.done().choices]
 
 
 @dataclass(frozen=True)
@@ -250,6 +279,7 @@ class WorkerRuntime:
         self._commands: queue.Queue = queue.Queue()
         self._futures: dict[str, Future] = {}  # requests this worker runs, by id
         self._pending: TenantQueues[DecodeCommand] = TenantQueues()  # verified decodes waiting for pages
+        self._choices: dict[str, ChoiceRun] = {}  # requests of n choices decoding here, by id
         self._outbox: list[tuple[str, OutputEvent]] = []  # output events Redis has not taken yet
         self._outbox_batch = uuid.uuid4().hex  # keys the outbox's publish (inference.streams.publish_many)
         self._answered_batch: str | None = None
@@ -296,14 +326,15 @@ class WorkerRuntime:
 
     # ---- called from task threads ------------------------------------------------------------
     def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams, timeout_s: float = 600,
-                still_wanted=None, salt: str | None = None) -> Handoff:
+                still_wanted=None, salt: str | None = None, choices: int = 1, score: bool = False) -> Handoff:
         """Prefills the prompt, sends its KV and returns the signed handoff: OK, or REJECTED when the prompt
         cannot be held here. RequestFailed when the request could not be prefilled. `still_wanted()` is
         asked just before the KV is sent; False (the request ended or was taken over meanwhile) sends
         nothing and returns an ABORTED handoff."""
         e, key = self.engine, self.handoff_key
         try:  # the admission re-check is the engine's (Engine.add_request, in the loop): RequestTooLarge
-            exported: Exported = self._run(PrefillCommand(request_id, prompt_ids, params, salt), timeout_s)
+            exported: Exported = self._run(PrefillCommand(request_id, prompt_ids, params, salt, choices=choices,
+                                                          score=score), timeout_s)
         except RequestTooLarge as exc:  # never a placeholder: it ends REJECTED, nothing taken or sent
             return prefill_refusal(e, request_id, prompt_ids, self.worker_id, Verdict.REJECTED, str(exc)).signed(key)
         if still_wanted is not None and not still_wanted():
@@ -313,24 +344,30 @@ class WorkerRuntime:
         self.transport.send(handoff, exported.blob)
         return handoff
 
-    def decode_side(self, request_id: str, prompt_ids: list[int]) -> DecodeSide:
-        """What this worker's engine expects of a handoff for `request_id`."""
+    def decode_side(self, request_id: str, prompt_ids: list[int], choices: int = 1) -> DecodeSide:
+        """What this worker's engine expects of a handoff for `request_id` (of `choices` sequences)."""
         e = self.engine
         return DecodeSide(request_id, len(prompt_ids), e.fingerprint, e.page_size, e.config.dtype,
-                          page_shape=tuple(e.pool.data.shape[1:]))
+                          page_shape=tuple(e.pool.data.shape[1:]), choices=choices)
 
     def decode(self, request_id: str, prompt_ids: list[int], params: SamplingParams, handoff: dict,
-               timeout_s: float = 3600) -> Sequence:
+               timeout_s: float = 3600, choices: int = 1, returned: int | None = None,
+               score: bool = False) -> "Sequence | list[Sequence]":
         """Accepts the handoff and pulls its KV (`handoff_accept`: HandoffRefused otherwise), then decodes to the
-        end, publishing output events; the finished sequence, or RequestFailed. Pages are allocated only after."""
+        end, publishing output events; the finished sequence, or RequestFailed. Pages are allocated only after.
+        `choices` > 1: the one verified handoff is forked into that many sequences (inference.choices), of which
+        `returned` (n; all by default) come back in answer order (`score`: the best cumulative logprobs first)."""
         started = time.perf_counter()
-        h, blob = handoff_accept(handoff, self.handoff_key, self.decode_side(request_id, prompt_ids),
+        h, blob = handoff_accept(handoff, self.handoff_key, self.decode_side(request_id, prompt_ids, choices),
                                  self.transport.take, check="no_handoff_check" not in self.engine.config.faults)
         transfer_ms = (time.perf_counter() - started) * 1000
-        seq = self._run(DecodeCommand(request_id, prompt_ids, params, h.first_token, blob, h.transferred_tokens,
-                                      h.first_logprobs, h.cached_tokens), timeout_s)
-        seq.transfer_ms = round(transfer_ms, 2)
-        return seq
+        out = self._run(DecodeCommand(request_id, prompt_ids, params, h.first_token, blob, h.transferred_tokens,
+                                      h.first_logprobs, h.cached_tokens, choice_tokens=h.choice_tokens,
+                                      choice_logprobs=h.choice_logprobs, returned=returned or choices,
+                                      score=score), timeout_s)
+        for seq in out if isinstance(out, list) else [out]:
+            seq.transfer_ms = round(transfer_ms, 2)
+        return out
 
     def probe(self, name: str, timeout_s: float = 30) -> dict:
         """Runs canary probe `name` (inference.probes.PROBES) in the engine loop; its result."""
@@ -433,7 +470,8 @@ class WorkerRuntime:
                 cmd.future.set_exception(RequestFailed("pool_lost", POOL_LOST_ERROR))
             elif isinstance(cmd, PrefillCommand):
                 try:
-                    self.engine.add_request(rid, cmd.prompt_ids, cmd.params, prefill_only=True, salt=cmd.salt)
+                    self.engine.add_request(rid, cmd.prompt_ids, cmd.params, prefill_only=True, salt=cmd.salt,
+                                            choices=cmd.choices, score=cmd.score)
                 except Exception as exc:
                     cmd.future.set_exception(exc)
                 else:
@@ -454,13 +492,14 @@ class WorkerRuntime:
                 raise PoolLost(cmd.reason)
 
     def _reclaim(self, pages: tuple[int, ...]) -> None:
-        for seq in self.engine.reclaim(pages):  # fails the holders and scrubs the pages
-            self._lease_lost(seq.request_id, pages)
+        for rid in dict.fromkeys(seq.owner_request for seq in self.engine.reclaim(pages)):  # fails the holders,
+            self._lease_lost(rid, pages)                                                   # scrubs the pages
         self._unclean.extend(pages)
 
     def _check_leases(self, owners: tuple[str, ...]) -> None:
         for seq, pages in check_leases(self.engine, self._host, owners):
-            self._lease_lost(seq.request_id, pages)
+            if seq.owner_request in self._futures or not seq.choice_of:
+                self._lease_lost(seq.owner_request, pages)
 
     def _admit_pending(self) -> None:
         """Verified decodes join the batch fairly, as the scheduler admits: the tenant holding the fewest pages
@@ -469,6 +508,18 @@ class WorkerRuntime:
         while self._pending:
             cmd = self._pending.peek(lambda tenant: held[tenant])
             rid = cmd.request_id
+            if cmd.choice_tokens:
+                try:
+                    if not self._admit_choices(cmd, held):
+                        return  # does not fit now
+                except PoolLost:
+                    raise
+                except Exception as exc:
+                    self._pending.pop(cmd)
+                    fut = self._futures.pop(rid, None)
+                    if fut:
+                        fut.set_exception(exc)
+                continue
             try:
                 seq = self.engine.add_prefilled(rid, cmd.prompt_ids, cmd.first_token, cmd.blob, cmd.params,
                                                 num_transferred=cmd.num_transferred)
@@ -492,6 +543,31 @@ class WorkerRuntime:
                 self._publish([(rid, Delta.step(seq.text, cmd.first_token, cmd.first_logprobs, len(seq.output_ids)))])
             if seq.is_done:
                 self._finish([seq], self._host.take_refused())
+
+    def _admit_choices(self, cmd: DecodeCommand, held) -> bool:
+        """Forks a verified handoff into its n choices (Engine.add_prefilled_choices); False when they do not fit
+        now (the command keeps its turn)."""
+        rid, k = cmd.request_id, len(cmd.choice_tokens)
+        seqs = self.engine.add_prefilled_choices(
+            rid, cmd.prompt_ids, list(cmd.choice_tokens), cmd.blob, choice_params(cmd.params, k, cmd.score),
+            num_transferred=cmd.num_transferred, first_logprobs=cmd.choice_logprobs, score=cmd.score)
+        if seqs is None:
+            return False
+        self._pending.pop(cmd)
+        run = self._choices[rid] = ChoiceRun(seqs, min(cmd.returned, k), cmd.score and cmd.returned < k,
+                                            cmd.cached_tokens)
+        out = []
+        for seq, lp in zip(seqs, cmd.choice_logprobs or [None] * k):
+            seq.cached_tokens = cmd.cached_tokens
+            held[seq.tenant] += len(seq.block_table)
+            shown = None if seq.score_only else lp
+            if seq.text or shown:
+                out.append((rid, Delta.step(seq.text, seq.output_ids[0], shown, index=seq.index)))
+        self.metrics.on_token(rid, False)
+        self._publish(out)
+        if done := [s for s in run.seqs if s.is_done]:
+            self._finish(done, self._host.take_refused())
+        return True
 
     def _misroute_first_page(self, seq: Sequence) -> None:
         """Fault `foreign_page_once` (tests only; announced at start and registered): once per process, the
@@ -525,14 +601,15 @@ class WorkerRuntime:
             if seq.prefill_only and seq.status is SeqStatus.PREFILLED:
                 exported[seq.request_id] = prefill_export(e, seq, ev.logprobs)
             elif ev.text_delta or ev.logprobs:
-                out.append((seq.request_id, Delta.step(ev.text_delta, ev.token, ev.logprobs, len(seq.output_ids))))
+                out.append((seq.owner_request, Delta.step(ev.text_delta, ev.token, ev.logprobs, len(seq.output_ids),
+                                                          index=seq.index)))
             if ev.finished:
                 finished.append(seq)
         self._publish(out)
         refused = self._host.take_refused()
         self._finish(finished, refused, exported)
-        for rid in refused - {seq.request_id for seq in finished}:  # a grow or a preemption's free refused: lease lost
-            if rid in self._futures:
+        for owner in refused - {seq.request_id for seq in finished}:  # a grow or a preemption's free refused:
+            if (rid := request_of(owner)) in self._futures:                # lease lost
                 self._lease_lost(rid, ())
         e.pop_finished()
         self._free_bystander()
@@ -547,6 +624,9 @@ class WorkerRuntime:
     def _finish(self, seqs: list[Sequence], refused: set[str], exported: dict | None = None) -> None:
         """Final events and results for sequences that ended this step (`exported`: prefills' KV)."""
         for seq in seqs:
+            if seq.choice_of is not None:
+                self._finish_choice(seq, refused)
+                continue
             rid = seq.request_id
             if seq.status is SeqStatus.FAILED:
                 self._fail(rid, "kv_isolation_violation", CLIENT_ISOLATION_ERROR)
@@ -568,6 +648,30 @@ class WorkerRuntime:
                 if fut:
                     fut.set_result(seq)
 
+    def _finish_choice(self, seq: Sequence, refused: set[str]) -> None:
+        """One choice ended: a failure fails its whole request (every choice); the last one's end is the request's
+        one Done, with usage for the prompt once and the returned choices' tokens."""
+        rid = seq.choice_of
+        if seq.read_record and seq.status is SeqStatus.FINISHED:
+            try:
+                self.outputs.record_read(seq.read_record)
+            except redis_lib.RedisError:
+                log.warning("read record of %s not stored: Redis unreachable", seq.request_id)
+        if rid not in self._futures:
+            return  # the request ended already (failed with its first failing choice)
+        if seq.status is SeqStatus.FAILED:
+            return self._fail(rid, "kv_isolation_violation", CLIENT_ISOLATION_ERROR)
+        if seq.request_id in refused:
+            return self._lease_lost(rid, ())
+        run = self._choices.get(rid)
+        if run is None or not all(s.status is SeqStatus.FINISHED for s in run.seqs):
+            return
+        del self._choices[rid]
+        self._publish([(rid, run.done())])
+        fut = self._futures.pop(rid, None)
+        if fut:
+            fut.set_result(run.answer())
+
     def _lease_lost(self, rid: str, pages) -> None:
         self._host.forget(rid)
         self._fail(rid, "lease_lost", LEASE_LOST_ERROR)
@@ -579,6 +683,7 @@ class WorkerRuntime:
     def _fail(self, rid: str, code: str, message: str) -> None:
         """Ends one request here: aborted in the engine (pages freed and scrubbed), error event, RequestFailed."""
         fut = self._futures.pop(rid, None)
+        self._choices.pop(rid, None)
         self.engine.abort(rid, message)
         for cmd in [c for c in self._pending if c.request_id == rid]:
             self._pending.remove(cmd)
@@ -595,7 +700,7 @@ class WorkerRuntime:
                   self.worker_id, reason)
         self.engine.reset_pool(reason)
         self._fail_all("pool_lost", POOL_LOST_ERROR)
-        self._pending = TenantQueues()
+        self._pending, self._choices = TenantQueues(), {}
         self._unclean, self._pool_down, self._next_register = [], reason, 0.0
         with self._claimed_lock:
             self._claimed.clear()

@@ -25,6 +25,7 @@ from kvserve.chat.services import chat_request_create
 from kvserve.chat.throttling import ApiKeyRateThrottle
 from kvserve.chat.tokenizer import tokenizer_get
 from kvserve.errors import ApiError
+from inference.choices import MAX_CHOICES
 from inference.params import RequestParams, Sampling
 from inference.sampling import MAX_TOP_LOGPROBS
 
@@ -127,6 +128,35 @@ class UsageSerializer(serializers.Serializer):
 @extend_schema_field({"type": "number", "minimum": 0, "exclusiveMinimum": True, "maximum": 1, "nullable": True})
 class TopPField(StrictFloatField):
     pass
+
+
+@extend_schema_field({"type": "integer", "minimum": 1, "maximum": MAX_CHOICES, "nullable": True,
+                      "description": f"Choices: 1..{MAX_CHOICES} (more is a 400 naming the field). The prompt is "
+                                     "prefilled once and its pages shared by every choice."})
+class ChoiceCountField(StrictIntegerField):
+    pass
+
+
+def validate_choices(data: dict) -> dict:
+    """n <= best_of, and best_of > n (the best n of best_of, known only at the end) is never streamed."""
+    n, best_of = data.get("n") or 1, data.get("best_of")
+    if max(n, best_of or 1) > 1 and data.get("tools") and data.get("tool_choice") != "none":
+        param = "n" if n > 1 else "best_of"
+        raise serializers.ValidationError({param: serializers.ErrorDetail(
+            f"{param} > 1 with tools is not supported: send one request per choice.", code="unsupported_value")})
+    if best_of is not None and best_of < n:
+        raise serializers.ValidationError({"best_of": serializers.ErrorDetail(
+            f"best_of ({best_of}) must be at least n ({n}).", code="invalid")})
+    if best_of is not None and best_of > n and data.get("stream"):
+        raise serializers.ValidationError({"best_of": serializers.ErrorDetail(
+            "best_of > n cannot be streamed: which choices are the best is known only when all have ended.",
+            code="unsupported_value")})
+    return data
+
+
+def choice_counts(data: dict) -> dict:
+    """RequestParams' n and best_of of a validated body (None: not set)."""
+    return {"n": data.get("n"), "best_of": data.get("best_of")}
 
 
 @extend_schema_field({"type": "number", "minimum": 0, "exclusiveMinimum": True, "maximum": 2, "nullable": True})
@@ -254,6 +284,10 @@ class ChatCompletionsApi(ChatApiBase):
         stop = StopField(required=False, allow_null=True)
         stream = StrictBooleanField(required=False, allow_null=True, default=False)
         stream_options = StreamOptionsSerializer(required=False, allow_null=True)
+        n = ChoiceCountField(required=False, allow_null=True, min_value=1, max_value=MAX_CHOICES)
+        best_of = ChoiceCountField(required=False, allow_null=True, min_value=1, max_value=MAX_CHOICES,
+                                   help_text="Generate this many choices and return the n with the highest "
+                                             "cumulative logprob (not with stream).")
         user = TextField(required=False, allow_null=True, max_length=256,
                          help_text="Narrows prefix-cache sharing: cached prompt pages are reused only within "
                                    "the same tenant and user.")
@@ -291,7 +325,7 @@ class ChatCompletionsApi(ChatApiBase):
                 raise serializers.ValidationError({"top_logprobs": serializers.ErrorDetail(
                     "top_logprobs needs logprobs: true.", code="invalid")})
             validate_min_tokens(data, chat_max_tokens(data))
-            return validate_stream_options(structured_validate(data, tools_allowed=True))
+            return validate_choices(validate_stream_options(structured_validate(data, tools_allowed=True)))
 
     @extend_schema_serializer(component_name="ChatCompletion")
     class OutputSerializer(serializers.Serializer):
@@ -341,7 +375,8 @@ class ChatCompletionsApi(ChatApiBase):
         # `user` narrows the request's prefix-cache scope (kvserve/chat/salt.py)
         structured_compile_check(data["structured"], data["structured_param"])
         calls = data["tool_choice"] != "none" and bool(data["tools"])  # the answer's <tool_call>s are tool_calls
-        params = RequestParams(request_sampling(data, logprobs), user=data.get("user") or None, tool_calls=calls)
+        params = RequestParams(request_sampling(data, logprobs), user=data.get("user") or None, tool_calls=calls,
+                               **choice_counts(data))
         messages = [{k: m[k] for k in ("role", "content", "tool_calls", "tool_call_id") if m.get(k) is not None}
                     for m in data["messages"]]
         stream = bool(data.get("stream"))
@@ -390,6 +425,10 @@ class CompletionsApi(ChatApiBase):
         stop = StopField(required=False, allow_null=True)
         stream = StrictBooleanField(required=False, allow_null=True, default=False)
         stream_options = StreamOptionsSerializer(required=False, allow_null=True)
+        n = ChoiceCountField(required=False, allow_null=True, min_value=1, max_value=MAX_CHOICES)
+        best_of = ChoiceCountField(required=False, allow_null=True, min_value=1, max_value=MAX_CHOICES,
+                                   help_text="Generate this many choices and return the n with the highest "
+                                             "cumulative logprob (not with stream).")
         logprobs = StrictIntegerField(required=False, allow_null=True, min_value=0, max_value=5,
                                       help_text="Return each token's log-probability and this many alternatives.")
         user = TextField(required=False, allow_null=True, max_length=256,
@@ -409,7 +448,7 @@ class CompletionsApi(ChatApiBase):
 
         def validate(self, data):
             validate_min_tokens(data, data.get("max_tokens") or COMPLETIONS_DEFAULT_MAX_TOKENS)
-            return validate_stream_options(structured_validate(data, tools_allowed=False))
+            return validate_choices(validate_stream_options(structured_validate(data, tools_allowed=False)))
 
         validate_top_p = ChatCompletionsApi.InputSerializer.validate_top_p
 
@@ -451,7 +490,7 @@ class CompletionsApi(ChatApiBase):
         model = model_get_by_id(data.get("model"))
         structured_compile_check(data["structured"], data["structured_param"])
         params = RequestParams(request_sampling(data, data.get("logprobs")), user=data.get("user") or None,
-                               endpoint="completions")
+                               endpoint="completions", **choice_counts(data))
         stream = bool(data.get("stream"))
         req, _ = chat_request_create(api_key=request.auth, prompt=data["prompt"], params=params, stream=stream,
                                      max_tokens=data.get("max_tokens") or COMPLETIONS_DEFAULT_MAX_TOKENS)

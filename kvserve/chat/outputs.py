@@ -8,6 +8,7 @@ The response that created a request ends it when it stops waiting early: its cli
 import asyncio
 import json
 import logging
+from collections import Counter, defaultdict
 from collections.abc import AsyncIterator
 from functools import lru_cache
 
@@ -83,12 +84,12 @@ def completion_wait(req: ChatRequest, *, fingerprint: str = "", gone=None, shape
     """Blocks until the request finishes; its answer (a chat.completion by default), or ApiError on failure
     (never a partial answer). `gone` (a threading.Event) is set when the client disconnects: the request ends."""
     timeout_s = settings.KVSERVE_RESPONSE_TIMEOUT_S
-    text, done, logprobs = [], None, []
+    text, done, logprobs = defaultdict(list), None, defaultdict(list)  # by choice index
     try:
         for event in _blocking_outputs(timeout_s).read(req.id, timeout_s=timeout_s, stop=gone):
             if isinstance(event, Delta):
-                text.append(event.text)
-                logprobs.extend(event.logprobs or ())
+                text[event.index].append(event.text)
+                logprobs[event.index].extend(event.logprobs or ())
             elif isinstance(event, Done):
                 done = event
             else:
@@ -105,7 +106,11 @@ def completion_wait(req: ChatRequest, *, fingerprint: str = "", gone=None, shape
         raise event_error(event)
     base = {"id": req.id, "created": int(req.created_at.timestamp()), "model": req.model,
             "system_fingerprint": fingerprint}
-    return shape.answer(base, "".join(text), done.finish_reason or "stop", logprobs, _usage(done.usage, req))
+    answer = shape.answer(base, "".join(text[0]), done.finish_reason or "stop", logprobs[0], _usage(done.usage, req))
+    if done.choices is not None:  # n choices: the returned ones in answer order (best_of's best first), indexed 0..
+        answer["choices"] = [shape.choice(i, "".join(text[c.index]), c.finish_reason or "stop", logprobs[c.index])
+                             for i, c in enumerate(done.choices)]
+    return answer
 
 
 def _sse(payload: dict | str) -> bytes:
@@ -127,14 +132,17 @@ async def completion_chunks(req: ChatRequest, *, include_usage: bool, fingerprin
     timeout_s, keepalive_s = settings.KVSERVE_RESPONSE_TIMEOUT_S, max(1, settings.KVSERVE_SSE_KEEPALIVE_S)
     base = {"id": req.id, "object": shape.chunk_object(), "created": int(req.created_at.timestamp()),
             "model": req.model, "system_fingerprint": fingerprint}
-    sent = 0  # characters of text sent so far (text offsets of legacy logprobs)
-    generated = 0  # completion tokens so far, as the last delta counted them
+    sent = Counter()  # characters of text sent so far per choice (text offsets of legacy logprobs)
+    generated: dict[int, int] = {}  # completion tokens so far per choice, as its last delta counted them
+    choices = req.request_params
+    held = defaultdict(list) if choices.ranked else None  # best_of > n (a replay): only the best, at the end
 
     def chunk(choice: dict, usage: dict | None = None) -> bytes:
         if not continuous_usage:
             return _sse({**base, "choices": [choice]})
-        usage = usage or {"prompt_tokens": req.prompt_tokens, "completion_tokens": generated,
-                          "total_tokens": req.prompt_tokens + generated}
+        so_far = sum(generated.values())
+        usage = usage or {"prompt_tokens": req.prompt_tokens, "completion_tokens": so_far,
+                          "total_tokens": req.prompt_tokens + so_far}
         return _sse({**base, "choices": [choice], "usage": usage})
 
     def error(event: Error) -> bytes:
@@ -149,7 +157,7 @@ async def completion_chunks(req: ChatRequest, *, include_usage: bool, fingerprin
     stream = AsyncOutputStream(client, prefix=settings.KVSERVE_LEDGER_PREFIX)
     ended = False  # the final event (or our own give-up) was reached
     try:
-        for choice in shape.opening():
+        for choice in shape.opening(choices.num_returned):
             yield chunk(choice)
         try:
             async for event in stream.read(req.id, timeout_s=timeout_s, idle_s=keepalive_s):
@@ -157,14 +165,28 @@ async def completion_chunks(req: ChatRequest, *, include_usage: bool, fingerprin
                 if event is None:
                     yield b": keep-alive\n\n"
                 elif isinstance(event, Delta):
-                    generated = event.tokens if event.tokens is not None else generated
-                    if event.text or event.logprobs:
-                        choice = shape.delta(event.text, event.logprobs or [], sent)
+                    if event.tokens is not None:
+                        generated[event.index] = event.tokens
+                    if held is not None:
+                        held[event.index].append(event)
+                    elif event.text or event.logprobs:
+                        choice = shape.delta(event.text, event.logprobs or [], sent[event.index], event.index)
                         if choice is not None:  # None: held back (a tool call's text until it closes)
                             yield chunk(choice)
-                        sent += len(event.text)
+                        sent[event.index] += len(event.text)
                 elif isinstance(event, Done):
-                    yield chunk(shape.finish(event.finish_reason or "stop"), _usage(event.usage, req))
+                    final = _usage(event.usage, req)
+                    if event.choices is None:
+                        yield chunk(shape.finish(event.finish_reason or "stop"), final)
+                    for i, c in enumerate(event.choices or ()):
+                        index = i if held is not None else c.index
+                        for d in (held or {}).get(c.index, ()):
+                            if d.text or d.logprobs:
+                                choice = shape.delta(d.text, d.logprobs or [], sent[index], index)
+                                if choice is not None:
+                                    yield chunk(choice)
+                                sent[index] += len(d.text)
+                        yield chunk(shape.finish(c.finish_reason or "stop", index), final)
                     if include_usage:
                         yield _sse({**base, "choices": [], "usage": _usage(event.usage, req)})
                 else:

@@ -118,6 +118,7 @@ def chat_request_create(*, api_key, messages: list[dict] | None = None, prompt: 
         text, param, id_prefix = prompt, "prompt", "cmpl"
     else:  # token ids: used as they are, hashed as their JSON
         token_ids, text, param, id_prefix = list(prompt), json.dumps(list(prompt)), "prompt", "cmpl"
+    choices = params.num_sequences  # admitted as one: the prompt once and every choice's max_tokens
     limit = registry_get().effective_limit()
     if limit is None:
         admission_rejection_count_incr("no_workers")
@@ -129,16 +130,16 @@ def chat_request_create(*, api_key, messages: list[dict] | None = None, prompt: 
         per_token = tokenizer.max_token_chars
         if per_token and len(text) > per_token * limit:
             least = math.ceil(len(text) / per_token)
-            raise _context_length_exceeded(limit, f"at least {least + max_tokens}", f"at least {least}: {len(text)} "
-                                           f"characters, and no token of this model covers more than {per_token}",
-                                           max_tokens, param)
+            raise _context_length_exceeded(limit, f"at least {least + choices * max_tokens}", f"at least {least}: "
+                                           f"{len(text)} characters, and no token of this model covers more than "
+                                           f"{per_token}", choices * max_tokens, param)
         token_ids = _prompt_encode(tokenizer, text)
     prompt_ids = token_ids
     if not prompt_ids:
         raise ApiError("The prompt is empty: it encodes to no tokens.", param=param, code="empty_prompt")
-    if admission_error(len(prompt_ids), max_tokens, limit) is not None:  # the engines' own rule
-        raise _context_length_exceeded(limit, str(len(prompt_ids) + max_tokens), str(len(prompt_ids)), max_tokens,
-                                       param)
+    if admission_error(len(prompt_ids), choices * max_tokens, limit) is not None:  # the engines' own rule
+        raise _context_length_exceeded(limit, str(len(prompt_ids) + choices * max_tokens), str(len(prompt_ids)),
+                                       choices * max_tokens, param)
     tenant = api_key.tenant
     if params.sampling.seed is None:
         params = params.with_seed(uuid.uuid4().int & (2**63 - 1))  # fixed here so any worker samples the same stream
@@ -236,8 +237,10 @@ def chat_request_prefill(request_id: str, prompt_ids: list[int]) -> None:
     claim = _claim_token(req, "prefill_worker", "prefill_deliveries")
     mine = ChatRequest.objects.filter(id=req.id, **claim)
     try:
+        rp = req.request_params
         handoff = runtime.prefill(req.id, prompt_ids, sampling_params(req), still_wanted=mine.exists,
-                                  salt=request_salt(req.tenant, req.request_params.user, runtime.engine.config.faults))
+                                  salt=request_salt(req.tenant, rp.user, runtime.engine.config.faults),
+                                  choices=rp.num_sequences, score=rp.ranked)
     except RequestFailed as exc:
         return chat_request_fail(req, code=exc.code, message=exc.message, claim=claim)
     except Exception as exc:
@@ -270,7 +273,9 @@ def chat_request_decode(request_id: str, prompt_ids: list[int], handoff: dict) -
     claim = _claim_token(req, "decode_worker", "decode_deliveries")
     runtime.metrics.arrived(req.id, req.created_at.timestamp())  # its time to first token counts from here
     try:
-        seq = runtime.decode(req.id, prompt_ids, sampling_params(req), handoff)
+        rp = req.request_params
+        result = runtime.decode(req.id, prompt_ids, sampling_params(req), handoff, choices=rp.num_sequences,
+                                returned=rp.num_returned, score=rp.ranked)
     except HandoffRefused as refused:  # fail closed first; the incident is recorded after, whatever it does
         chat_metrics_refused(req, refused.kind)
         chat_request_fail(req, code="handoff_refused", message=f"decode refused the handoff: {refused.reason}",
@@ -288,9 +293,12 @@ def chat_request_decode(request_id: str, prompt_ids: list[int], handoff: dict) -
         return chat_request_fail(req, code="engine_error", message=f"decode failed: {type(exc).__name__}: {exc}",
                                  claim=claim, decode_verdict="accepted")
     finished = timezone.now()
+    seqs = result if isinstance(result, list) else [result]  # n > 1: the returned choices, in answer order
+    seq = seqs[0]
+    text = seq.text if len(seqs) == 1 else json.dumps([s.text for s in seqs])
     if ChatRequest.objects.filter(id=req.id, **claim).update(
             status=Status.DONE, finish_reason=seq.finish_reason or "", decode_verdict="accepted", finished_at=finished,
-            transfer_ms=seq.transfer_ms, completion_tokens=len(seq.output_ids),
-            completion_text=seq.text if req.tenant.store_text else None):
+            transfer_ms=seq.transfer_ms, completion_tokens=sum(len(s.output_ids) for s in seqs),
+            completion_text=text if req.tenant.store_text else None):
         req.finished_at = finished
         chat_metrics_decoded(req, seq)

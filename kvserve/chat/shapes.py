@@ -27,22 +27,25 @@ class ChatShape:
         return chat_logprobs(entries, _token_text(), self.top_logprobs) if self.logprobs else None
 
     def answer(self, base: dict, text: str, finish_reason: str, entries: list, usage: dict) -> dict:
-        return {**base, "object": self.object, "choices": [{
-            "index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
-            "logprobs": self._logprobs(entries)}], "usage": usage}
+        return {**base, "object": self.object, "choices": [self.choice(0, text, finish_reason, entries)],
+                "usage": usage}
+
+    def choice(self, index: int, text: str, finish_reason: str, entries: list) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
+                "logprobs": self._logprobs(entries)}
 
     def chunk_object(self) -> str:
         return f"{self.object}.chunk"
 
-    def opening(self) -> list[dict]:
-        return [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None, "logprobs": None}]
+    def opening(self, n: int = 1) -> list[dict]:
+        return [{"index": i, "delta": {"role": "assistant"}, "finish_reason": None, "logprobs": None} for i in range(n)]
 
-    def delta(self, text: str, entries: list, offset: int) -> dict:
-        return {"index": 0, "delta": {"content": text}, "finish_reason": None,
+    def delta(self, text: str, entries: list, offset: int, index: int = 0) -> dict:
+        return {"index": index, "delta": {"content": text}, "finish_reason": None,
                 "logprobs": self._logprobs(entries) if entries else None}
 
-    def finish(self, finish_reason: str) -> dict:
-        return {"index": 0, "delta": {}, "finish_reason": finish_reason, "logprobs": None}
+    def finish(self, finish_reason: str, index: int = 0) -> dict:
+        return {"index": index, "delta": {}, "finish_reason": finish_reason, "logprobs": None}
 
 
 @dataclass(frozen=True)
@@ -56,22 +59,24 @@ class TextShape:
         return completion_logprobs(entries, _token_text(), self.logprobs, offset)
 
     def answer(self, base: dict, text: str, finish_reason: str, entries: list, usage: dict) -> dict:
-        return {**base, "object": self.object, "choices": [{
-            "index": 0, "text": text, "finish_reason": finish_reason, "logprobs": self._logprobs(entries)}],
-            "usage": usage}
+        return {**base, "object": self.object, "choices": [self.choice(0, text, finish_reason, entries)],
+                "usage": usage}
+
+    def choice(self, index: int, text: str, finish_reason: str, entries: list) -> dict:
+        return {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": self._logprobs(entries)}
 
     def chunk_object(self) -> str:
         return self.object
 
-    def opening(self) -> list[dict]:
+    def opening(self, n: int = 1) -> list[dict]:
         return []
 
-    def delta(self, text: str, entries: list, offset: int) -> dict:
-        return {"index": 0, "text": text, "finish_reason": None,
+    def delta(self, text: str, entries: list, offset: int, index: int = 0) -> dict:
+        return {"index": index, "text": text, "finish_reason": None,
                 "logprobs": self._logprobs(entries, offset) if entries else None}
 
-    def finish(self, finish_reason: str) -> dict:
-        return {"index": 0, "text": "", "finish_reason": finish_reason, "logprobs": None}
+    def finish(self, finish_reason: str, index: int = 0) -> dict:
+        return {"index": index, "text": "", "finish_reason": finish_reason, "logprobs": None}
 
 
 def _call(call, index: int | None = None) -> dict:
@@ -100,8 +105,8 @@ class ToolChatShape(ChatShape):
                 choice["finish_reason"] = "tool_calls"
         return out
 
-    def delta(self, text: str, entries: list, offset: int) -> dict | None:
-        before = self._stream.num_calls
+    def delta(self, text: str, entries: list, offset: int, index: int = 0) -> dict | None:
+        before = self._stream.num_calls  # one choice only: n > 1 with tools is refused at the API
         content, calls = self._stream.push(text)
         self._held_entries.extend(entries)
         if not content and not calls:
@@ -114,8 +119,9 @@ class ToolChatShape(ChatShape):
         return {"index": 0, "delta": delta, "finish_reason": None,
                 "logprobs": self._logprobs(entries) if entries else None}
 
-    def finish(self, finish_reason: str) -> dict:
-        out = super().finish("tool_calls" if finish_reason == "stop" and self._stream.num_calls else finish_reason)
+    def finish(self, finish_reason: str, index: int = 0) -> dict:
+        out = super().finish("tool_calls" if finish_reason == "stop" and self._stream.num_calls else finish_reason,
+                             index)
         held = self._stream.flush()  # an unfinished call or tag: content after all
         if held:
             out["delta"] = {"content": held}

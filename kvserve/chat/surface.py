@@ -56,7 +56,7 @@ REGISTRY: tuple[Param, ...] = (
     P("max_tokens", BOTH, H, "Tokens to generate (chat default 256, completions 16).", proof=f"{CHAT_API}::test_non_stream_completion_is_openai_shaped"),
     P("metadata", CHAT, R, "Completions are not stored, so there is nothing to tag: leave it out.", example={"k": "v"}),
     P("modalities", CHAT, D, "Only text output is supported.", accepts=(["text"],), example=["text", "audio"]),
-    P("n", BOTH, D, "n > 1 is not supported yet: this server returns one choice; send n requests.", accepts=(1,), example=2),  # -> honoured by nbest
+    P("n", BOTH, H, "1..8 choices; the prompt is prefilled once and its pages shared read-only by the choices; usage counts it once.", proof="tests/api/test_choices_api.py::test_chat_n_returns_every_choice_by_index_with_the_prompt_counted_once"),
     P("parallel_tool_calls", CHAT, H, "With tools: false allows at most one call; true (the default) one or more.", proof="tests/api/test_structured_api.py::test_tool_choice_and_parallel_tool_calls_choose_the_constraint"),
     P("prediction", CHAT, R, "Predicted outputs are not supported: leave it out.", example={"type": "content", "content": "x"}),
     P("presence_penalty", BOTH, H, "-2..2: each token already in the output lowered by this (OpenAI's).", proof="tests/inference/test_sampling_model.py::test_each_penalty_changes_a_repetitive_reply"),
@@ -80,7 +80,7 @@ REGISTRY: tuple[Param, ...] = (
     P("web_search_options", CHAT, R, "Web search is not supported: put what the model needs in the messages.", example={}),
     # ---- OpenAI completions
     P("prompt", COMPLETIONS, H, "A string (no chat template), token ids, or a list of one of those.", proof=f"{COMPLETIONS_API}::test_token_ids_and_a_list_of_one_prompt"),
-    P("best_of", BOTH, D, "best_of > 1 is not supported yet: this server returns one choice.", accepts=(1,), example=3),  # -> honoured by nbest
+    P("best_of", BOTH, H, "n..8: generate this many choices, return the n with the highest cumulative logprob (not with stream).", proof="tests/inference/test_worker_choices.py::test_best_of_returns_the_highest_cumulative_logprobs_and_counts_them"),
     P("echo", BOTH, D, "Echoing the prompt is not supported: the answer holds the completion only.", accepts=(False,), example=True),
     P("suffix", COMPLETIONS, D, "Insertion (a suffix) is not supported: only an empty suffix.", accepts=("",), example="the end"),
     # ---- vLLM's extra parameters

@@ -347,8 +347,11 @@ BAD_BODIES = [
     ({**OK, "stream": 1}, "stream", "invalid"),
     ({**OK, "stream_options": "x"}, "stream_options", "invalid"),
     ({**OK, "stream_options": {"include_usage": "y"}}, "stream_options.include_usage", "invalid"),
-    ({**OK, "n": 2}, "n", "unsupported_value"),
-    ({**OK, "n": 0}, "n", "unsupported_value"),
+    ({**OK, "n": 9}, "n", "max_value"),
+    ({**OK, "n": 0}, "n", "min_value"),
+    ({**OK, "best_of": 9}, "best_of", "max_value"),
+    ({**OK, "n": 3, "best_of": 2}, "best_of", "invalid"),
+    ({**OK, "n": 1, "best_of": 2, "stream": True}, "best_of", "unsupported_value"),
     ({**OK, "user": 5}, "user", "invalid"),
     ({**OK, "model": 5}, "model", "invalid"),
     ([OK], None, "invalid"),
@@ -364,9 +367,9 @@ def test_bad_input_is_400_naming_the_param(client, chat_env, key, body, param, c
     assert ChatRequest.objects.count() == 0 and chat_env.calls == []
 
 
-def test_n_greater_than_one_says_so(client, chat_env, key):
-    error = assert_error(post(client, key, {**OK, "n": 3}), 400, param="n")
-    assert "n > 1 is not supported" in error["message"]
+def test_n_above_the_bound_says_so(client, chat_env, key):
+    error = assert_error(post(client, key, {**OK, "n": 9}), 400, param="n")
+    assert "less than or equal to 8" in error["message"]
 
 
 def test_unknown_model_is_404(client, chat_env, key):

@@ -90,7 +90,7 @@ def test_openai_client_stream(stack, client, model_id):
 
 def test_openai_client_errors(client, model_id):
     with pytest.raises(openai.BadRequestError) as exc:
-        client.chat.completions.create(model=model_id, messages=QUESTION, n=2)
+        client.chat.completions.create(model=model_id, messages=QUESTION, n=9)
     assert exc.value.body["param"] == "n"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4o", messages=QUESTION)

@@ -187,3 +187,21 @@ def test_dashboard_page_is_staff_only_and_self_contained(client, admin_client, p
     for asset in ("incidents/dashboard.js", "incidents/dashboard.css"):
         assert asset in html
         assert admin_client.get(f"/static/{asset}").status_code == 200
+
+
+def test_page_map_counts_a_requests_choices_and_their_shared_prompt_for_its_tenant(pools, admin_user):
+    """n choices: each choice's own pages and the prompt pages they share (the request scope's cache entry) are the
+    request's tenant's."""
+    from inference.choices import choice_id, choice_scope
+
+    acme, a = pools["acme"], pools["a"]
+    prefill = pools["prefill"]
+    c0, c1 = choice_id(a.id, 0), choice_id(a.id, 1)
+    grant = prefill.allocate(c0, 2)
+    prefill.cache(c0, choice_scope(a.id), grant.pages[:1], grant.epochs[:1])
+    prefill.allocate(c1, 1)
+    assert prefill.hit(c1, choice_scope(a.id), grant.pages[:1], grant.epochs[:1])
+    _, maps = pool_state_list(user=admin_user)
+    legend = {e["code"]: e for e in maps["prefill-1"]["legend"]}
+    assert maps["prefill-1"]["cells"][:3] == [acme.pk] * 3
+    assert (legend[acme.pk]["pages"], legend[acme.pk]["cached"], legend[acme.pk]["request_ids"]) == (3, 1, [a.id])

@@ -17,7 +17,8 @@ def test_the_guard_probe_sees_each_read_raise_in_the_real_guard_and_leaves_nothi
     result = guard_probe(engine)
     assert result["ok"], result
     assert {c: r["got"] for c, r in result["cases"].items()} == {
-        "foreign_page": "foreign_read", "unwritten_tail": "unwritten_read", "stale_epoch": "stale_epoch"}
+        "foreign_page": "foreign_read", "unwritten_tail": "unwritten_read", "stale_epoch": "stale_epoch",
+        "choice_shared_page": "foreign_read"}
     assert engine.block_manager.num_free() == 16 and engine.take_violations() == []
 
 
@@ -44,3 +45,18 @@ def test_the_scrub_probe_fails_when_freeing_does_not_scrub(engine, monkeypatch):
     monkeypatch.setattr(PagePool, "scrub", lambda self, pages: None)
     result = scrub_probe(engine)
     assert not result["ok"] and result["nonzero_after_free"] > 0 and "still holds" in result["reason"]
+
+
+def test_the_guard_probe_on_the_redis_ledger_leaves_no_cache_entry_or_read_behind(tiny_model, redis_client,
+                                                                                   ledger_prefix):
+    from inference.engine import Engine, EngineConfig
+    from inference.ledger import RedisLedger
+
+    engine = Engine(tiny_model, EngineConfig(num_pages=16, page_size=4), allocator_factory=lambda n: RedisLedger.register(
+        redis_client, "probe", "decode", n, 4, prefix=ledger_prefix))
+    result = guard_probe(engine)
+    assert result["ok"] and result["cases"]["choice_shared_page"]["got"] == "foreign_read", result
+    ledger = engine.block_manager.allocator
+    assert ledger.num_free() == 16 and not any(isinstance(s, dict) and "scope" in s for s in ledger.snapshot().values())
+    ledger.check_integrity()
+
