@@ -32,7 +32,7 @@ ROOT = HERE.parent
 RESULTS_JSONL = HERE / "results.jsonl"
 RESULTS_MD = HERE / "RESULTS.md"
 
-MODULES = ["engine", "profile", "guards", "ondemand", "prefix", "transport", "load", "fairness", "chaos", "memory", "peer"]  # run in this order
+MODULES = ["engine", "profile", "guards", "grammar", "ondemand", "prefix", "transport", "load", "fairness", "chaos", "memory", "peer"]  # run in this order
 NEEDS_URL = {"load"}
 NEEDS_ROOT = {"chaos"}  # network namespaces
 # opt-in: runs only once its peer is installed (`python -m bench.peer --install-only`, ~20 min of compiling)
@@ -163,6 +163,7 @@ SUMMARY = [
     ("guards", "ratio_scrub_on_vs_off", "throughput, scrub on free on / off", ">= 0.99"),
     ("guards", "ledger_allocate_p50_us", "Redis ledger allocate p50 (us)", ""),
     ("guards", "ledger_free_p50_us", "Redis ledger free p50 (us)", ""),
+    ("grammar", "mask_cost", "decode cost of a JSON-schema token mask on every one of 32 sequences", "<= 0.10"),
     ("ondemand", "ratio_concurrent_median", "concurrent sequences, pages on demand / reserve-whole (EOS workload)",
      ">= 2.0"),
     ("ondemand", "ratio_tok_s", "throughput, pages on demand / reserve-whole (EOS workload)", ""),
