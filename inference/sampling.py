@@ -61,8 +61,6 @@ def log_exp_noise(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     return torch.log(-torch.log(u))
 
 
-# log E is at least log(-log(1 - 2**-33)) (u's largest value), so a token scores at most its logit + this
-_NOISE_MAX = -math.log(-math.log1p(-(2.0**-33))) + 1e-3
 _PREFIX = 256  # a row keeping at most this many tokens races them, one keeping more draws by its CDF
 
 
@@ -127,29 +125,12 @@ def process_logits(logits: torch.Tensor, params_list, steps: list[int], prompts=
     return x
 
 
-def _race(vals: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
-    """The exponential race over each row's kept candidates (vals: tempered logits, -inf = dropped; ids: their
-    token ids, None when column = token id): argmax(v - log E(key, token)). Only tokens that can still win are
-    hashed: none scores above its logit + _NOISE_MAX, and the row's best logit scores s0, so a token whose logit
-    is below s0 - _NOISE_MAX cannot win (exact, and the same winner whatever the candidate layout)."""
-    m = vals.shape[0]
-    if ids is not None and vals.shape[-1] <= _PREFIX:  # few candidates: hash them all, no pruning pass
-        score = vals.double() - log_exp_noise(keys, ids)
-        best = score.max(dim=-1, keepdim=True).values
-        big = torch.iinfo(torch.long).max
-        return ids.masked_fill(score < best, big).min(dim=-1).values  # a tie goes to the smallest token id
-    top_v, top_j = vals.max(dim=-1)
-    top_t = top_j if ids is None else ids.gather(1, top_j.unsqueeze(1)).squeeze(1)
-    s0 = top_v.double() - log_exp_noise(keys, top_t.unsqueeze(1)).squeeze(1)
-    bound = (s0 - _NOISE_MAX).float() - 1e-3 * (1 + s0.abs().float())  # float32 rounding: slack only adds
-    r, c = (vals >= bound.unsqueeze(1)).nonzero(as_tuple=True)
-    t = c if ids is None else ids[r, c]
-    score = vals[r, c].double() - log_exp_noise(keys[r], t.unsqueeze(1)).squeeze(1)
-    best = torch.full((m,), float("-inf"), dtype=torch.float64, device=vals.device).scatter_reduce(
-        0, r, score, "amax")
-    win = score == best[r]
-    big = torch.full((m,), torch.iinfo(torch.long).max, dtype=torch.long, device=vals.device)
-    return big.scatter_reduce(0, r[win], t[win], "amin")  # a tie goes to the smallest token id
+def _race(vals: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The exponential race over each row's candidates (vals: tempered logits, -inf = dropped; ids: their token
+    ids): argmax(v - log E(key, token)), a tie to the smallest token id."""
+    score = vals.double() - log_exp_noise(keys, ids)
+    best = score.max(dim=-1, keepdim=True).values
+    return ids.masked_fill(score < best, torch.iinfo(torch.long).max).min(dim=-1).values
 
 
 def _thresholds(x: torch.Tensor, ps, device) -> tuple[torch.Tensor, tuple]:
@@ -194,7 +175,7 @@ def sample(logits: torch.Tensor, params_list, steps: list[int], prompts=None, ou
     min_tokens' count); `prompts` / `outputs`: its token ids (penalties); `eos_ids`: the tokens min_tokens holds
     back with stop_token_ids. Greedy rows (temperature ~0 or top_k 1) take the argmax of the processed logits;
     the others are tempered, filtered (top_k, then top_p on what top_k kept, and min_p: p >= min_p * p_max) and
-    drawn by the exponential race (module docstring)."""
+    drawn (module docstring: the exponential race, or the inverse CDF for a row keeping more than _PREFIX)."""
     x = process_logits(logits, params_list, steps, prompts, outputs, eos_ids)
     device = x.device
     rows = [i for i, p in enumerate(params_list) if not p.is_greedy]

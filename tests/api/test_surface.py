@@ -129,7 +129,7 @@ def test_stream_options_without_stream_is_a_400(client, chat_env, key, endpoint)
 def test_the_schema_lists_default_only_fields_with_their_values_and_no_refused_field(client):
     schema = client.get("/api/schema/", HTTP_ACCEPT="application/vnd.oai.openapi+json").json()
     props = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
-    assert props["store"]["allOf"] == [{"enum": [False, None]}] and props["n"]["allOf"] == [{"enum": [1, None]}]
+    assert props["store"]["allOf"] == [{"enum": [False, None]}] and props["priority"]["allOf"] == [{"enum": [0, None]}]
     assert "audio" not in props and "structural_tag" not in props  # refused: not in the schema
     assert "ignored" not in json.dumps(schema["components"]["schemas"]["ChatCompletionRequest"])
     for name in ("ChatCompletionRequest", "CompletionRequest", "StreamOptions", "TokenizeRequest", "DetokenizeRequest"):

@@ -43,8 +43,9 @@ def text_of(tokenizer, token_id: int) -> str:
 
 
 def check(tokens: list[str], logprobs: list[float], tops: list[list[tuple[str, float]]], ref, tokenizer):
-    """The returned tokens against the reference's greedy tokens; the EOS token is not returned."""
-    ref = [(i, lsm) for i, lsm in ref if i not in tokenizer.eos_ids][: len(tokens)]
+    """The returned tokens against the reference's greedy tokens, one per completion token: the EOS that ends
+    the answer is listed too (its text is "")."""
+    ref = ref[: len(tokens)]
     assert len(tokens) == len(ref) >= 4
     worst = 0.0
     for token, lp, top, (rid, lsm) in zip(tokens, logprobs, tops, ref):
@@ -64,6 +65,7 @@ def test_chat_logprobs_match_the_models_log_softmax(client, real_model, referenc
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, logprobs=True, top_logprobs=5)
     content = r.choices[0].logprobs.content
     assert "".join(c.token for c in content) == r.choices[0].message.content
+    assert len(content) == r.usage.completion_tokens  # the EOS that ended it included
     assert all(bytes(c.bytes).decode() == c.token and len(c.top_logprobs) == 5 for c in content)
     ref = reference(ids, len(content) + 1)
     check([c.token for c in content], [c.logprob for c in content],
@@ -102,6 +104,7 @@ def test_completions_with_a_raw_prompt_and_legacy_logprobs(client, real_model, r
         tokens, lps, offsets = lp.tokens, lp.token_logprobs, lp.text_offset
         tops = [list(d.items()) for d in lp.top_logprobs]
     assert "".join(tokens) == text and offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    assert len(tokens) == (chunks[-1].usage if stream else r.usage).completion_tokens
     assert all(len(t) == 3 for t in tops)
     check(tokens, lps, [sorted(t, key=lambda kv: -kv[1]) for t in tops], reference(ids, len(tokens) + 1),
           real_model.tokenizer)

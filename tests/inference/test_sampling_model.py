@@ -52,16 +52,17 @@ def test_logit_bias_plus_100_forces_a_token(chat, engine):
     assert hot.output_ids == paris * 3
 
 
-def test_min_tokens_holds_the_end_back(chat):
+def test_min_tokens_holds_the_end_back(chat, engine):
     natural = chat(FRANCE, max_tokens=40)
     assert natural.finish_reason == "stop" and len(natural.output_ids) < 20
     held = chat(FRANCE, max_tokens=40, min_tokens=20)
     assert len(held.output_ids) >= 20 and held.text.startswith(natural.text)
-    assert all(t not in held.params.stop_token_ids for t in held.output_ids[:20])
+    assert not set(held.output_ids[:20]) & set(engine.tokenizer.eos_ids)
 
 
 @pytest.mark.parametrize("penalty", [dict(frequency_penalty=1.0), dict(presence_penalty=1.5),
-                                     dict(repetition_penalty=1.3)])
+                                     dict(repetition_penalty=1.3)],
+                         ids=["frequency_penalty", "presence_penalty", "repetition_penalty"])
 def test_each_penalty_changes_a_repetitive_reply(chat, penalty):
     greedy = chat(FRUITS, max_tokens=40, ignore_eos=True)
     assert greedy.text.count("Apple") >= 6  # the reply the penalties are for
