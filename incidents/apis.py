@@ -1,7 +1,12 @@
 """The dashboard's data as JSON, for staff users logged in to the admin (session cookie): GET /api/pools/ (live state)
-and GET /api/history/?window=<s> (the recorded series, incidents/history.py)."""
+GET /api/history/?window=<s> (the recorded series, incidents/history.py) and GET /api/usage/?from=&to= (per-tenant
+usage, kvserve/tenants/usage.py; names for superusers only)."""
+import datetime as dt
+
 from drf_spectacular.utils import extend_schema
 from django.conf import settings
+from django.utils import timezone
+from django.utils.dateparse import parse_date, parse_datetime
 from rest_framework import exceptions
 from rest_framework.authentication import SessionAuthentication
 from rest_framework.permissions import IsAdminUser
@@ -11,6 +16,7 @@ from rest_framework.views import APIView
 from incidents.history import history_get
 from incidents.selectors import dashboard_get
 from kvserve.errors import ApiError
+from kvserve.tenants.usage import hour_of, usage_by_tenant
 
 
 class StaffApi(APIView):
@@ -50,5 +56,44 @@ class HistoryApi(StaffApi):
         window = window_param(request.query_params.get("window"), 3600, low=60,
                               high=settings.KVSERVE_HISTORY_RETENTION_S)
         response = Response(history_get(window_s=window))
+        response["Cache-Control"] = "no-store"
+        return response
+
+
+def _instant(raw: str, param: str) -> dt.datetime:
+    try:  # both return None for what is not shaped like a date, and raise ValueError for 2026-13-45
+        when = parse_datetime(raw)
+        if when is None and (day := parse_date(raw)) is not None:
+            when = dt.datetime.combine(day, dt.time())
+    except ValueError:
+        when = None
+    if when is None:
+        raise ApiError(f"'{param}' must be an ISO date or date-time (2026-12-01 or 2026-12-01T13:00Z)", param=param,
+                       code="invalid_period")
+    return when if timezone.is_aware(when) else when.replace(tzinfo=dt.timezone.utc)
+
+
+def period_params(params, *, default_s: int) -> tuple[dt.datetime, dt.datetime]:
+    """[from, to) from ISO `from` and `to` (UTC when no offset); by default the last default_s seconds up to the end
+    of the current hour. 400 naming the parameter when unreadable or from >= to."""
+    end = _instant(params["to"], "to") if params.get("to") else hour_of() + dt.timedelta(hours=1)
+    start = _instant(params["from"], "from") if params.get("from") else end - dt.timedelta(seconds=default_s)
+    if start >= end:
+        raise ApiError("'from' must be before 'to'", param="from", code="invalid_period")
+    return start, end
+
+
+def usage_rows_for(user, rows: list[dict]) -> list[dict]:
+    """Tenant names for superusers; others see "tenant #n", as on the page maps."""
+    return [{**r, "tenant_name": r["tenant_name"] if user.is_superuser else None,
+             "label": r["tenant_name"] if user.is_superuser else f"tenant #{r['tenant_id']}"} for r in rows]
+
+
+class UsageApi(StaffApi):
+    @extend_schema(exclude=True)
+    def get(self, request):
+        start, end = period_params(request.query_params, default_s=86400)
+        rows = usage_rows_for(request.user, usage_by_tenant(start, end))
+        response = Response({"from": start.isoformat(), "to": end.isoformat(), "tenants": rows})
         response["Cache-Control"] = "no-store"
         return response

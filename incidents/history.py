@@ -15,9 +15,9 @@ from inference import metrics as aggregated
 from inference.allocator import LedgerError
 from inference.ledger import RedisLedger
 from inference.tenant_budget import LIMITS as TENANT_LIMITS
+from kvserve.chat.throttling import RATE_LIMITED
 from kvserve.workers import redis_get, registry_get
 
-RATE_LIMITED = "rate_limited"  # the per-key throttle's refusals (kvserve/chat/throttling.py)
 REFUSED_429 = (*TENANT_LIMITS, RATE_LIMITED)  # admission_rejections reasons answered with 429
 COUNTERS = ("generation_tokens", "num_preemptions", "prefix_cache_hits", "prefix_cache_queries")
 
