@@ -7,12 +7,14 @@ from django.conf import settings
 from django.contrib import admin, messages
 from django.contrib.admin.views.decorators import staff_member_required
 from django.http import HttpResponse, JsonResponse
-from django.shortcuts import redirect, render
+from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_GET, require_http_methods
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from incidents.admin import RELEASE_PERMISSION, admin_worker_release
 from incidents.apis import period_params
+from incidents.canary.report import canary_run_report
+from incidents.models import CanaryRun
 from incidents.metrics import metrics_render
 from incidents.pools import worker_admin_list
 from incidents.selectors import dashboard_get
@@ -28,6 +30,14 @@ def dashboard_view(request):
     response = render(request, "dashboard/index.html", context)
     response["Cache-Control"] = "no-store"
     return response
+
+
+@staff_member_required
+@require_GET
+def canary_run_view(request, run_id: int):
+    report = canary_run_report(get_object_or_404(CanaryRun, pk=run_id))
+    context = {**admin.site.each_context(request), "title": f"Canary run #{run_id}", "report": report}
+    return render(request, "dashboard/canary_run.html", context)
 
 
 @staff_member_required
