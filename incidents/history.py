@@ -8,12 +8,10 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from django.conf import settings
-from redis.exceptions import ResponseError
 
 from incidents.canary.live import broker_queue_lengths
 from inference import metrics as aggregated
-from inference.allocator import LedgerError
-from inference.ledger import RedisLedger
+from inference.ledger import pool_counts
 from inference.tenant_budget import LIMITS as TENANT_LIMITS
 from kvserve.chat.throttling import RATE_LIMITED
 from kvserve.workers import redis_get, registry_get
@@ -136,18 +134,15 @@ def history_sample(now: float | None = None) -> ServiceSample | None:
     pipe.lpush(_key(prefix, "service"), json.dumps(asdict(sample), separators=(",", ":")))
     pipe.ltrim(_key(prefix, "service"), 0, cap - 1)
     pipe.expire(_key(prefix, "service"), ttl)
-    for w in workers:
-        try:
-            states = [("used" if isinstance(s, dict) else s) for s in RedisLedger(redis, w.worker_id, prefix=prefix)
-                      .snapshot().values()]
-        except (LedgerError, ResponseError):  # a pool without a ledger (yet): no point for it this time
+    live = {w.worker_id for w in workers}
+    for c in pool_counts(redis, prefix):  # O(1) Redis work per pool, whatever its size (never a page scan)
+        if c.pool_id not in live:
             continue
-        counts = {k: states.count(k) for k in ("used", "free", "dirty")}
-        pool_key = _key(prefix, f"pool:{w.worker_id}")
-        pipe.lpush(pool_key, json.dumps([round(now, 3), counts["used"], counts["free"], counts["dirty"]]))
+        pool_key = _key(prefix, f"pool:{c.pool_id}")
+        pipe.lpush(pool_key, json.dumps([round(now, 3), c.used, c.free, c.dirty]))
         pipe.ltrim(pool_key, 0, cap - 1)
         pipe.expire(pool_key, ttl)  # a worker that is gone leaves nothing behind after the retention
-        pipe.zadd(_key(prefix, "pools"), {w.worker_id: now})
+        pipe.zadd(_key(prefix, "pools"), {c.pool_id: now})
     pipe.zremrangebyscore(_key(prefix, "pools"), "-inf", now - keep)
     pipe.expire(_key(prefix, "pools"), ttl)
     pipe.execute()
