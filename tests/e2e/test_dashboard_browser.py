@@ -178,6 +178,27 @@ def log_in(page, stack: Stack, to: str) -> None:
     page.wait_for_url(f"{stack.url}{to}")
 
 
+def test_metrics_endpoint_on_the_real_stack(dash_stack):
+    with urllib.request.urlopen(dash_stack.metrics_request(), timeout=10) as r:
+        body = r.read().decode()
+        assert r.headers["Content-Type"].startswith("text/plain")
+    for w in dash_stack.registry().live_workers():
+        assert f'kvserve_pool_pages{{pool="{w.worker_id}",role="{w.role}",state="free"}} 600.0' in body
+    assert "kvserve_effective_context_limit_tokens" in body and "kvserve_redis_up 1.0" in body
+
+
+def test_api_pools_refuses_anonymous_callers(dash_stack):
+    try:
+        urllib.request.urlopen(f"{dash_stack.url}/api/pools/", timeout=10)
+    except urllib.error.HTTPError as exc:
+        assert exc.code == 403 and "staff" in json.loads(exc.read())["error"]["message"]
+    else:
+        pytest.fail("/api/pools/ answered an anonymous caller")
+    with urllib.request.urlopen(f"{dash_stack.url}/dashboard/", timeout=10) as r:  # redirected to the login
+        assert "/admin/login/" in r.url
+
+
+# last in the module: its requests leave prefix-cache pages held, which the tests above count as free
 def test_history_charts_usage_table_and_canary_page(browser, dash_stack):
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     model = json.loads(urllib.request.urlopen(urllib.request.Request(f"{dash_stack.url}/v1/models", headers={
@@ -232,23 +253,3 @@ def test_history_charts_usage_table_and_canary_page(browser, dash_stack):
     page.screenshot(path=str(ARTIFACTS / "canary-run.png"), full_page=True)
     assert not errors, errors
     page.close()
-
-
-def test_metrics_endpoint_on_the_real_stack(dash_stack):
-    with urllib.request.urlopen(dash_stack.metrics_request(), timeout=10) as r:
-        body = r.read().decode()
-        assert r.headers["Content-Type"].startswith("text/plain")
-    for w in dash_stack.registry().live_workers():
-        assert f'kvserve_pool_pages{{pool="{w.worker_id}",role="{w.role}",state="free"}} 600.0' in body
-    assert "kvserve_effective_context_limit_tokens" in body and "kvserve_redis_up 1.0" in body
-
-
-def test_api_pools_refuses_anonymous_callers(dash_stack):
-    try:
-        urllib.request.urlopen(f"{dash_stack.url}/api/pools/", timeout=10)
-    except urllib.error.HTTPError as exc:
-        assert exc.code == 403 and "staff" in json.loads(exc.read())["error"]["message"]
-    else:
-        pytest.fail("/api/pools/ answered an anonymous caller")
-    with urllib.request.urlopen(f"{dash_stack.url}/dashboard/", timeout=10) as r:  # redirected to the login
-        assert "/admin/login/" in r.url
