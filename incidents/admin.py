@@ -2,6 +2,8 @@
 runs and worker releases. Every action is written to the admin log with who did it."""
 from django.contrib import admin, messages
 from django.contrib.admin.models import ADDITION, LogEntry
+from django.urls import reverse
+from django.utils.html import format_html
 
 from incidents.models import CanaryRun, Incident, WorkerRelease
 from incidents.services import incident_acknowledge, incident_resolve, worker_release
@@ -32,8 +34,17 @@ class IncidentAdmin(admin.ModelAdmin):
                    ("resolved_at", admin.EmptyFieldListFilter), "created_at")
     search_fields = ("worker", "pool", "reader_request", "previous_owner_request", "detected_by", "notes")
     date_hierarchy = "created_at"
-    readonly_fields = [f.name for f in Incident._meta.fields if f.name != "notes"]
+    readonly_fields = [f.name for f in Incident._meta.fields if f.name != "notes"] + ["canary_run"]
     actions = ["acknowledge", "resolve", "release_workers"]
+
+    @admin.display(description="Canary run")
+    def canary_run(self, obj) -> str:
+        """The run that raised it, when a canary check did (its details name the run)."""
+        run = obj.details.get("canary_run") if isinstance(obj.details, dict) else None
+        if not isinstance(run, int):
+            return "–"
+        return format_html('<a href="{}">canary run #{}: what each check probed and saw</a>',
+                           reverse("canary-run", args=[run]), run)
 
     def has_add_permission(self, request):
         return False  # incidents are recorded by detectors through incident_record only
@@ -70,7 +81,11 @@ class CanaryRunAdmin(admin.ModelAdmin):
     list_display = ("id", "started_at", "finished_at", "passed")
     list_filter = ("passed", "started_at")
     search_fields = ("checks",)
-    readonly_fields = ("started_at", "finished_at", "passed", "checks")
+    readonly_fields = ("started_at", "finished_at", "passed", "page", "checks")
+
+    @admin.display(description="Readable")
+    def page(self, obj) -> str:
+        return format_html('<a href="{}">per check and per worker, as tables</a>', reverse("canary-run", args=[obj.pk]))
 
     def has_add_permission(self, request):
         return False

@@ -27,6 +27,7 @@ from inference.block_manager import VIOLATION_KINDS
 from inference.ledger import pool_counts
 from inference.tenant_budget import LIMITS as TENANT_LIMITS
 from kvserve.chat.models import ChatRequest
+from kvserve.chat.throttling import RATE_LIMITED
 from kvserve.chat.selectors import model_get
 from kvserve.workers import redis_get, registry_get
 
@@ -103,7 +104,8 @@ def queue_families(scrape: dict):
 def aggregated_families(scrape: dict):
     raw = aggregated.families_read(redis_get(), settings.KVSERVE_LEDGER_PREFIX)
     m = scrape["model_name"]
-    defaults = {"admission_rejections": [{"reason": r} for r in ("context_length_exceeded", *TENANT_LIMITS)],
+    defaults = {"admission_rejections": [{"reason": r} for r in ("context_length_exceeded", *TENANT_LIMITS,
+                                                                    RATE_LIMITED)],
                 # at 0 from the start: Prometheus' increase() never counts a series' first sample, so a violation
                 # counter born at 1 would never alert
                 "guard_violations": [{"model_name": m, "role": r, "kind": k} for r in ROLES for k in VIOLATION_KINDS],

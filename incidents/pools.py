@@ -4,7 +4,7 @@ import time
 from django.conf import settings
 from redis.exceptions import ResponseError
 
-from incidents.utilization import utilization_history_get, utilization_sample_record
+from incidents.history import pool_history_get
 from inference.allocator import LedgerError
 from inference.choices import SCOPE_PREFIX, request_of
 from inference.ledger import RedisLedger
@@ -71,8 +71,9 @@ def page_counts(snapshot: dict) -> dict:
     return {k: states.count(k) for k in ("used", "free", "dirty", "lost")}
 
 
-def pool_state_list(*, user, sample: bool = True) -> tuple[list[dict], dict[str, dict]]:
-    """(workers, page_maps by worker id) for every live worker; samples utilization history when `sample`."""
+def pool_state_list(*, user) -> tuple[list[dict], dict[str, dict]]:
+    """(workers, page_maps by worker id) for every live worker, with its last hour of utilization samples (taken
+    by the history beat, incidents/history.py: reading samples nothing)."""
     redis, registry, prefix = redis_get(), registry_get(), settings.KVSERVE_LEDGER_PREFIX
     now = time.time()
     workers, page_maps = [], {}
@@ -95,10 +96,7 @@ def pool_state_list(*, user, sample: bool = True) -> tuple[list[dict], dict[str,
             row.update(counts, num_pages=len(snapshot),
                        utilization=round(counts["used"] / len(snapshot), 4) if snapshot else 0.0)
             page_maps[w.worker_id] = page_map_get(snapshot, show_names=bool(user and user.is_superuser))
-            if sample:
-                utilization_sample_record(redis, prefix, w.worker_id, used=counts["used"], free=counts["free"],
-                                          dirty=counts["dirty"], now=now)
-        row["history"] = utilization_history_get(redis, prefix, w.worker_id, now=now)
+        row["history"] = pool_history_get(redis, prefix, w.worker_id, now, 3600)
         workers.append(row)
     return workers, page_maps
 

@@ -28,9 +28,15 @@ def canary_latest_get() -> dict | None:
     checks = [{"name": str(c.get("name", "?")), "passed": bool(c.get("passed")), "outcome": outcome_stored(c),
                "duration_s": c.get("duration_s"), "details": c.get("details", {}),
                "per_worker": _per_worker(c.get("details", {}))} for c in stored]
-    return {"id": run.pk, "started_at": run.started_at.isoformat(),
+    return {"id": run.pk, "url": reverse("canary-run", args=[run.pk]), "started_at": run.started_at.isoformat(),
             "finished_at": run.finished_at.isoformat() if run.finished_at else None,
             "passed": run.passed, "outcome": outcome_of_run(stored), "checks": checks}
+
+
+def _canary_url(incident: Incident) -> str | None:
+    """The page of the canary run that raised the incident (its details name the run), else None."""
+    run = incident.details.get("canary_run") if isinstance(incident.details, dict) else None
+    return reverse("canary-run", args=[run]) if isinstance(run, int) else None
 
 
 def incident_open_list(limit: int = 50) -> list[dict]:
@@ -39,7 +45,8 @@ def incident_open_list(limit: int = 50) -> list[dict]:
              "pool": i.pool, "worker": i.worker, "pages": i.pages[:32], "reader_request": i.reader_request,
              "previous_owner_request": i.previous_owner_request, "detected_by": i.detected_by,
              "quarantined": i.quarantined, "acknowledged": i.acknowledged_at is not None,
-             "admin_url": reverse("admin:incidents_incident_change", args=[i.pk])}
+             "admin_url": reverse("admin:incidents_incident_change", args=[i.pk]),
+             "canary_url": _canary_url(i)}
             for i in Incident.objects.filter(resolved_at__isnull=True)[:limit]]
 
 

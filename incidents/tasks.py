@@ -1,4 +1,5 @@
-"""The scheduled canary (`kvserve.canary`, routed to the maintenance queue by the `kvserve.*` route)."""
+"""The scheduled canary (`kvserve.canary`) and history sampler (`kvserve.history_sample`), routed to the maintenance
+queue by the `kvserve.*` route."""
 import logging
 import uuid
 
@@ -6,8 +7,9 @@ from celery import shared_task
 from django.conf import settings
 
 from incidents.canary.suite import canary_run
+from incidents.history import history_sample
 from incidents.services import probe_run
-from kvserve.dispatch import CANARY, PROBE
+from kvserve.dispatch import CANARY, HISTORY, PROBE
 from kvserve.workers import redis_get
 
 log = logging.getLogger(__name__)
@@ -34,3 +36,10 @@ def canary(only: list[str] | None = None, skip: list[str] | None = None) -> dict
 def probe(name: str, probe_id: str) -> None:
     """A canary live probe, sent to one worker's probe queue (kvserve/probe_lane.py): runs in its engine loop."""
     probe_run(name, probe_id)
+
+
+@shared_task(name=HISTORY, ignore_result=True)
+def history() -> dict | None:
+    """One sample of the service and pool series (incidents/history.py); None when this interval has one."""
+    sample = history_sample()
+    return None if sample is None else {"ts": sample.ts}

@@ -1,4 +1,5 @@
-"""Operator pages: /dashboard/, /metrics, and the Workers admin page (release a quarantined worker)."""
+"""Operator pages: /dashboard/, the billing CSV /dashboard/usage.csv, a canary run's page, /metrics, and the Workers
+admin page (release a quarantined worker)."""
 import hmac
 
 import redis
@@ -6,15 +7,19 @@ from django.conf import settings
 from django.contrib import admin, messages
 from django.contrib.admin.views.decorators import staff_member_required
 from django.http import HttpResponse, JsonResponse
-from django.shortcuts import redirect, render
+from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_GET, require_http_methods
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from incidents.admin import RELEASE_PERMISSION, admin_worker_release
+from incidents.apis import period_params
+from incidents.canary.report import canary_run_report
+from incidents.models import CanaryRun
 from incidents.metrics import metrics_render
 from incidents.pools import worker_admin_list
 from incidents.selectors import dashboard_get
-from kvserve.errors import error_body
+from kvserve.errors import ApiError, error_body
+from kvserve.tenants.usage import usage_csv
 
 
 @staff_member_required
@@ -23,6 +28,29 @@ def dashboard_view(request):
     context = {**admin.site.each_context(request), "title": "kvserve dashboard",
                "initial": dashboard_get(user=request.user)}
     response = render(request, "dashboard/index.html", context)
+    response["Cache-Control"] = "no-store"
+    return response
+
+
+@staff_member_required
+@require_GET
+def canary_run_view(request, run_id: int):
+    report = canary_run_report(get_object_or_404(CanaryRun, pk=run_id))
+    context = {**admin.site.each_context(request), "title": f"Canary run #{run_id}", "report": report}
+    return render(request, "dashboard/canary_run.html", context)
+
+
+@staff_member_required
+@require_GET
+def usage_csv_view(request):
+    """Per tenant per hour in [from, to) (ISO; by default the last 30 days), for billing; names for superusers."""
+    try:
+        start, end = period_params(request.GET, default_s=30 * 86400)
+    except ApiError as exc:
+        return JsonResponse(error_body(exc.detail, param=exc.param, code=exc.error_code), status=400)
+    response = HttpResponse(usage_csv(start, end, names=request.user.is_superuser), content_type="text/csv")
+    response["Content-Disposition"] = (f'attachment; filename="kvserve-usage-{start:%Y%m%dT%H%M}-'
+                                       f'{end:%Y%m%dT%H%M}.csv"')
     response["Cache-Control"] = "no-store"
     return response
 

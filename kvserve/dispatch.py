@@ -10,6 +10,7 @@ PREFILL = "inference.prefill"  # kvserve/chat/tasks.py
 DECODE = "inference.decode"
 REAP = "kvserve.reap"
 CANARY = "kvserve.canary"  # incidents/tasks.py
+HISTORY = "kvserve.history_sample"  # incidents/tasks.py
 PROBE = "kvserve.probe"
 
 PROBE_EXCHANGE = Exchange("kvserve.probes", type="direct")

@@ -39,6 +39,7 @@ from kvserve.deliveries import handed_done, handed_note, queued_done, queued_not
 from kvserve.dispatch import decode_send, prefill_send, prefill_task_requeue
 from kvserve.errors import ApiError
 from kvserve.tenants.models import Tenant
+from kvserve.tenants.usage import usage_refusal_counted, usage_request_done, usage_request_failed
 from kvserve.workers import cancels_get, outputs_get, registry_get
 
 log = logging.getLogger(__name__)
@@ -143,8 +144,8 @@ def chat_request_create(*, api_key, messages: list[dict] | None = None, prompt: 
     tenant = api_key.tenant
     if params.sampling.seed is None:
         params = params.with_seed(uuid.uuid4().int & (2**63 - 1))  # fixed here so any worker samples the same stream
-    with transaction.atomic():  # the tenant's row lock orders its admissions: the check and the row are one step
-        tenant = Tenant.objects.select_for_update().get(pk=tenant.pk)
+    with usage_refusal_counted(tenant.pk), transaction.atomic():  # the tenant's row lock orders its admissions:
+        tenant = Tenant.objects.select_for_update().get(pk=tenant.pk)  # the check and the row are one step
         tenant_admission_enforce(tenant, len(prompt_ids))  # 429 over a fair share while others wait
         req = ChatRequest.objects.create(
             id=f"{id_prefix}-{uuid.uuid4().hex}", tenant=tenant, api_key=api_key, model=model_name, stream=stream,
@@ -175,8 +176,11 @@ def chat_request_fail(req: ChatRequest, *, code: str, message: str, status: str 
     up, its own came first) and raises the request's cancel flag, so any worker still holding it lets go. False
     when nothing was written."""
     now = timezone.now()
-    changed = ChatRequest.objects.filter(id=req.id, **(claim or {})).exclude(status__in=ChatRequest.FINAL).update(
-        status=status, error_code=code, error_message=message, finished_at=now, **fields)
+    with transaction.atomic():  # the row's end and its tenant's usage: both or neither
+        changed = ChatRequest.objects.filter(id=req.id, **(claim or {})).exclude(status__in=ChatRequest.FINAL).update(
+            status=status, error_code=code, error_message=message, finished_at=now, **fields)
+        if changed:
+            usage_request_failed(req.tenant_id, req.created_at, code)
     if not changed:
         return False
     req.status, req.error_code, req.error_message, req.finished_at = status, code, message, now
@@ -296,9 +300,15 @@ def chat_request_decode(request_id: str, prompt_ids: list[int], handoff: dict) -
     seqs = result if isinstance(result, list) else [result]  # n > 1: the returned choices, in answer order
     seq = seqs[0]
     text = seq.text if len(seqs) == 1 else json.dumps([s.text for s in seqs])
-    if ChatRequest.objects.filter(id=req.id, **claim).update(
+    completion_tokens = sum(len(s.output_ids) for s in seqs)
+    with transaction.atomic():  # the row's end and its tenant's usage (what `usage` reports): both or neither
+        done = ChatRequest.objects.filter(id=req.id, **claim).update(
             status=Status.DONE, finish_reason=seq.finish_reason or "", decode_verdict="accepted", finished_at=finished,
-            transfer_ms=seq.transfer_ms, completion_tokens=sum(len(s.output_ids) for s in seqs),
-            completion_text=text if req.tenant.store_text else None):
+            transfer_ms=seq.transfer_ms, completion_tokens=completion_tokens,
+            completion_text=text if req.tenant.store_text else None)
+        if done:
+            usage_request_done(req.tenant_id, req.created_at, prompt_tokens=req.prompt_tokens,
+                               completion_tokens=completion_tokens, cached_tokens=seq.cached_tokens)
+    if done:
         req.finished_at = finished
         chat_metrics_decoded(req, seq)

@@ -1,10 +1,17 @@
 """Admin for tenants and API keys: create a key (shown once; needs add_apikey), revoke keys (change_apikey).
-Both are written to the admin log with who did it; hashes and raw keys never are."""
+Both are written to the admin log with who did it; hashes and raw keys never are. A tenant's page shows its usage
+(kvserve/tenants/usage.py); the changelist exports the selected tenants' usage as CSV."""
+import datetime as dt
+
 from django.contrib import admin, messages
+from django.http import HttpResponse
+from django.utils import timezone
+from django.utils.html import format_html, format_html_join
 from django.template.response import TemplateResponse
 
 from kvserve.tenants.models import ApiKey, Tenant
 from kvserve.tenants.services import api_key_create, api_key_revoke
+from kvserve.tenants.usage import hour_of, tenant_usage_summary, usage_csv
 
 
 class ApiKeyInline(admin.TabularInline):
@@ -24,7 +31,38 @@ class TenantAdmin(admin.ModelAdmin):
     list_filter = ("store_text",)
     search_fields = ("name",)
     inlines = [ApiKeyInline]
-    actions = ["create_api_key"]
+    actions = ["create_api_key", "export_usage_csv"]
+    readonly_fields = ("usage",)
+
+    @admin.display(description="Usage")
+    def usage(self, obj) -> str:
+        if obj is None or obj.pk is None:
+            return "–"
+        head = ("Period", "Requests", "Completed", "Prompt tokens", "Completion tokens", "Cached tokens",
+                "Cache hit rate", "429s", "Failed", "Failures by code")
+        rows = []
+        for label, u in tenant_usage_summary(obj):
+            if u is None:
+                rows.append((label, *["0"] * 5, "–", "0", "0", "–"))
+                continue
+            rate = "–" if u["cache_hit_rate"] is None else f"{100 * u['cache_hit_rate']:.1f} %"
+            codes = ", ".join(f"{c}: {n}" for c, n in u["failures"].items()) or "–"
+            rows.append((label, *(f"{u[k]:,}" for k in ("requests", "completed", "prompt_tokens", "completion_tokens",
+                                                         "cached_tokens")), rate, f"{u['refused_429']:,}",
+                         f"{u['failed']:,}", codes))
+        return format_html('<table class="tenant-usage"><thead><tr>{}</tr></thead><tbody>{}</tbody></table>'
+                           '<p class="help">Counted per UTC hour of admission where each request ends; tokens are '
+                           'those of completed requests (what the API reported in <code>usage</code>).</p>',
+                           format_html_join("", "<th>{}</th>", ((h,) for h in head)),
+                           format_html_join("", "<tr>" + "<td>{}</td>" * len(head) + "</tr>", rows))
+
+    @admin.action(description="Export usage as CSV (last 30 days, per hour)")
+    def export_usage_csv(self, request, queryset):
+        end = hour_of(timezone.now()) + dt.timedelta(hours=1)
+        body = usage_csv(end - dt.timedelta(days=30), end, names=True, tenant_ids=list(queryset.values_list("pk", flat=True)))
+        response = HttpResponse(body, content_type="text/csv")
+        response["Content-Disposition"] = f'attachment; filename="kvserve-usage-{end:%Y%m%d}.csv"'
+        return response
 
     def has_add_apikey_permission(self, request) -> bool:
         return request.user.has_perm("tenants.add_apikey")

@@ -38,3 +38,40 @@ class ApiKey(models.Model):
     @property
     def is_active(self) -> bool:
         return self.revoked_at is None
+
+
+class TenantUsage(models.Model):
+    """A tenant's usage in one UTC hour (the hour its requests were admitted in), counted by kvserve/tenants/usage.py
+    where each request ends: what the API reported in `usage` for the completed ones, and how many ended otherwise."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="usage")
+    hour = models.DateTimeField(db_index=True, help_text="Start of the UTC hour.")
+    requests = models.PositiveBigIntegerField(default=0, help_text="Requests that ended, whatever the outcome.")
+    completed = models.PositiveBigIntegerField(default=0, help_text="Requests answered (status done).")
+    prompt_tokens = models.PositiveBigIntegerField(default=0, help_text="Of the completed requests.")
+    completion_tokens = models.PositiveBigIntegerField(default=0, help_text="Of the completed requests.")
+    cached_tokens = models.PositiveBigIntegerField(default=0, help_text="Of the completed requests' prompts, read "
+                                                   "from the prefix cache.")
+    refused_429 = models.PositiveBigIntegerField(default=0, help_text="Calls refused with 429 (fair share or "
+                                                 "throttle); they wrote no request.")
+    failed = models.PositiveBigIntegerField(default=0, help_text="Requests that ended failed or rejected.")
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["tenant", "hour"], name="tenant_usage_hour")]
+        ordering = ["-hour", "tenant_id"]
+
+    def __str__(self) -> str:
+        return f"{self.tenant} {self.hour:%Y-%m-%d %H}:00"
+
+
+class TenantFailure(models.Model):
+    """Requests of a tenant that ended failed or rejected in one UTC hour, by error code."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="failures")
+    hour = models.DateTimeField(db_index=True)
+    code = models.CharField(max_length=64)
+    count = models.PositiveBigIntegerField(default=0)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["tenant", "hour", "code"], name="tenant_failure_hour_code")]
+        ordering = ["-hour", "tenant_id", "code"]

@@ -11,9 +11,10 @@ from kvserve.paths import BASE_DIR
 
 ON_POSTGRES = [
     "tests/api/test_storable.py",
-    "tests/api/test_chat_api.py", "tests/api/test_completions_api.py",
+    "tests/api/test_chat_api.py", "tests/api/test_completions_api.py", "tests/api/test_tenant_usage.py",
     "-k", "storable or openai_shaped or stream_is_openai or worker_failure or detail or other_tenants or "
-          "stream_replay or prompt_hash or retention or legacy_shape or token_ids or chat_logprobs",  # -k: every file
+          "stream_replay or prompt_hash or retention or legacy_shape or token_ids or chat_logprobs or "
+          "usage_adds_up or counted_by_code or fair_share_429",  # -k: every file
 ]
 
 

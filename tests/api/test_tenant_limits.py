@@ -175,4 +175,5 @@ def test_metrics_count_429s_per_limit(client, env, settings):
     post(client, acme)  # KV
     Tenant.objects.filter(name="acme").update(kv_share=0, max_in_flight=1)
     post(client, acme)  # in flight
-    assert refusals() == {"context_length_exceeded": 0, "tenant_in_flight_limit": 1, "tenant_kv_limit": 1}
+    assert refusals() == {"context_length_exceeded": 0, "tenant_in_flight_limit": 1, "tenant_kv_limit": 1,
+                          "rate_limited": 0}

@@ -1,8 +1,11 @@
 """The operator dashboard in a real headless Chromium against a real stack (prefill + decode workers with the
 model): chart and page map show the pools' real numbers, an injected incident is listed and quarantines its
-worker, the admin releases it from the Workers page, and the page refreshes itself. Screenshots go to
-test-artifacts/."""
+worker, the admin releases it from the Workers page, and the page refreshes itself; the history charts drawn from
+real samples and the usage table adding up to real requests' `usage`; a canary run's page. Screenshots go to
+$KVSERVE_TEST_ARTIFACTS, by default test-artifacts/ at the repository root (git-ignored), kept after the run."""
 import json
+import os
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -14,7 +17,7 @@ from tests.e2e.stack import ROOT, Stack
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
-ARTIFACTS = ROOT / "test-artifacts"
+ARTIFACTS = Path(os.environ.get("KVSERVE_TEST_ARTIFACTS") or ROOT / "test-artifacts")
 NUM_PAGES, PAGE_SIZE, WINDOW = 600, 16, 8192  # the Stack's settings: 9,600 tokens >= 8,192 -> SAFE
 
 pytestmark = pytest.mark.timeout(600)
@@ -66,7 +69,7 @@ def text_of(page, selector: str) -> str:
 
 
 def test_dashboard_shows_pools_page_maps_incident_and_release(browser, dash_stack):  # no Chromium: fail first
-    ARTIFACTS.mkdir(exist_ok=True)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
     workers = {w.role: w for w in dash_stack.registry().live_workers()}
     assert set(workers) == {"prefill", "decode"}
     decode_id = workers["decode"].worker_id
@@ -151,6 +154,30 @@ def test_dashboard_shows_pools_page_maps_incident_and_release(browser, dash_stac
     page.close()
 
 
+def sample_history(stack: Stack, ago_s: float) -> None:
+    """One history sample, as the beat task takes (`kvserve.history_sample`), timed `ago_s` seconds back."""
+    stack.manage("shell", "-c", f"import time; from incidents.history import history_sample; "
+                 f"assert history_sample(now=time.time() - {ago_s}) is not None")
+
+
+def chat(stack: Stack, model: str, content: str) -> dict:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 8,
+                       "temperature": 0}).encode()
+    request = urllib.request.Request(f"{stack.url}/v1/chat/completions", data=body, method="POST", headers={
+        "Authorization": f"Bearer {stack.api_key}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def log_in(page, stack: Stack, to: str) -> None:
+    page.goto(f"{stack.url}/admin/login/?next={to}")
+    if page.locator("#id_username").count():
+        page.fill("#id_username", "admin")
+        page.fill("#id_password", stack.admin_password)
+        page.click("input[type=submit]")
+    page.wait_for_url(f"{stack.url}{to}")
+
+
 def test_metrics_endpoint_on_the_real_stack(dash_stack):
     with urllib.request.urlopen(dash_stack.metrics_request(), timeout=10) as r:
         body = r.read().decode()
@@ -169,3 +196,60 @@ def test_api_pools_refuses_anonymous_callers(dash_stack):
         pytest.fail("/api/pools/ answered an anonymous caller")
     with urllib.request.urlopen(f"{dash_stack.url}/dashboard/", timeout=10) as r:  # redirected to the login
         assert "/admin/login/" in r.url
+
+
+# last in the module: its requests leave prefix-cache pages held, which the tests above count as free
+def test_history_charts_usage_table_and_canary_page(browser, dash_stack):
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    model = json.loads(urllib.request.urlopen(urllib.request.Request(f"{dash_stack.url}/v1/models", headers={
+        "Authorization": f"Bearer {dash_stack.api_key}"}), timeout=10).read())["data"][0]["id"]
+    assert model
+    sample_history(dash_stack, 45)
+    usages = [chat(dash_stack, model, "Name a colour.")["usage"], chat(dash_stack, model, "Name a fruit.")["usage"]]
+    time.sleep(4)  # the decode worker's heartbeat sends its token counts
+    sample_history(dash_stack, 30)
+    sample_history(dash_stack, 15)
+    run_id = int(dash_stack.manage("shell", "-c", (
+        "from django.utils import timezone; from incidents.models import CanaryRun; "
+        "r = CanaryRun.objects.create(started_at=timezone.now(), finished_at=timezone.now(), passed=True, checks=["
+        "{'name': 'live_probes', 'passed': True, 'outcome': 'passed', 'duration_s': 0.8, 'details': {'workers': "
+        "{'decode-e2e': {'role': 'decode', 'checks': {'foreign_read': {'ok': True, 'outcome': 'passed', "
+        "'probe': 'read a page another request owns', 'seen': 'refused: foreign_read'}}}}}}]); print(r.pk)"
+    )).split()[-1])
+
+    page = browser.new_page(viewport={"width": 1440, "height": 1000})
+    errors = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    log_in(page, dash_stack, "/dashboard/")
+
+    # the history charts: drawn from the samples, a marker per sample, real rates
+    page.wait_for_selector('.chart[data-chart="throughput"] circle.pt')
+    for chart in ("throughput", "ttft", "errors", "refused", "queue", "preemptions", "pools"):
+        assert int(page.locator(f'.chart[data-chart="{chart}"]').get_attribute("data-points")) >= 2, chart
+    rates = [float(v) for v in page.locator('.chart[data-chart="throughput"] circle.pt').evaluate_all(
+        "ns => ns.map(n => n.dataset.value)")]
+    assert max(rates) > 0  # tokens generated between the samples, from the counters' deltas
+    assert page.locator('.chart[data-chart="pools"] .series').count() == 2  # both pools
+    assert "samples in this window" in text_of(page, "#history-hint")
+    page.select_option("#history-window", "900")
+    page.wait_for_function("document.getElementById('history-hint').textContent.startsWith('3 samples')")
+
+    # the usage table adds up to what the API returned in `usage`
+    page.wait_for_selector("#usage-table .usage-row")
+    row = page.locator("#usage-table .usage-row").first
+    cells = [c.strip() for c in row.locator("td").all_text_contents()]
+    assert cells[1:6] == [f"{n:,}" for n in (2, 2, sum(u["prompt_tokens"] for u in usages),
+                                              sum(u["completion_tokens"] for u in usages),
+                                              sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages))]
+    assert "/dashboard/usage.csv?from=" in page.locator("#usage-csv").get_attribute("href")
+    page.screenshot(path=str(ARTIFACTS / "dashboard-history-usage.png"), full_page=True)
+
+    # the latest canary run links its page: per worker, each probe and what it saw
+    page.wait_for_selector("a.canary-run-link")
+    page.click("a.canary-run-link")
+    page.wait_for_url(f"{dash_stack.url}/dashboard/canary/{run_id}/")
+    probe = page.locator('.probe-row[data-worker="decode-e2e"][data-probe="foreign_read"]')
+    assert probe.get_attribute("data-outcome") == "passed" and "refused: foreign_read" in probe.text_content()
+    page.screenshot(path=str(ARTIFACTS / "canary-run.png"), full_page=True)
+    assert not errors, errors
+    page.close()

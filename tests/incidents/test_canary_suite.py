@@ -119,18 +119,20 @@ def test_setup_schedules_is_idempotent_and_keeps_admin_edits():
     reaper = PeriodicTask.objects.get(task="kvserve.reap")
     assert (canary.interval.every, canary.interval.period) == (5, IntervalSchedule.MINUTES)
     assert (reaper.interval.every, reaper.interval.period) == (30, IntervalSchedule.SECONDS)
+    history = PeriodicTask.objects.get(task="kvserve.history_sample")
+    assert (history.interval.every, history.interval.period) == (15, IntervalSchedule.SECONDS)
     canary.enabled = False  # an admin's edit survives
     canary.save()
     call_command("setup_schedules", stdout=io.StringIO())
-    assert PeriodicTask.objects.filter(task__startswith="kvserve.").count() == 2
+    assert PeriodicTask.objects.filter(task__startswith="kvserve.").count() == 3
     assert not PeriodicTask.objects.get(task="kvserve.canary").enabled
 
 
 def test_beat_uses_the_database_scheduler_and_kvserve_tasks_go_to_maintenance(settings):
     assert settings.CELERY_BEAT_SCHEDULER == "django_celery_beat.schedulers:DatabaseScheduler"
     app.loader.import_default_modules()
-    assert {"kvserve.canary", "kvserve.reap"} <= set(app.tasks)
-    for task in ("kvserve.canary", "kvserve.reap"):
+    assert {"kvserve.canary", "kvserve.reap", "kvserve.history_sample"} <= set(app.tasks)
+    for task in ("kvserve.canary", "kvserve.reap", "kvserve.history_sample"):
         assert app.amqp.router.route({}, task)["queue"].name == "maintenance"
 
 

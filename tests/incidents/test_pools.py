@@ -11,7 +11,7 @@ from incidents.models import CanaryRun
 from incidents.pools import DIRTY, FREE, OTHER, page_map_get, pool_state_list, worker_admin_list
 from incidents.selectors import canary_latest_get, dashboard_get, incident_open_list
 from incidents.services import incident_record, incident_resolve
-from incidents.utilization import MAX_SAMPLES, utilization_history_get, utilization_sample_record
+from incidents.history import history_sample
 from inference.ledger import RedisLedger
 from kvserve.chat.salt import request_salt
 from kvserve.tenants.models import Tenant
@@ -95,18 +95,11 @@ def test_page_map_counts_prefix_cached_pages_for_their_tenant(pools, admin_user,
     assert "acme" not in json.dumps(maps) and request_salt(acme, None) not in json.dumps(maps)
 
 
-def test_utilization_samples_are_throttled_capped_and_windowed(redis_client, ledger_prefix):
-    rec = lambda now: utilization_sample_record(redis_client, ledger_prefix, "w", used=1, free=3, dirty=0, now=now)
-    assert rec(1000.0) and not rec(1001.0)  # one sample per SAMPLE_EVERY_S
-    redis_client.delete(f"{ledger_prefix}:dashboard:util:w:gate")
-    assert rec(5000.0)
-    assert utilization_history_get(redis_client, ledger_prefix, "w", now=5000.0) == [[5000.0, 1, 3, 0]]
-    assert [s[0] for s in utilization_history_get(redis_client, ledger_prefix, "w", now=4000.0)] == [1000.0, 5000.0]
-    key = f"{ledger_prefix}:dashboard:util:w"
-    for i in range(MAX_SAMPLES + 50):
-        redis_client.delete(f"{key}:gate")
-        rec(6000.0 + i)
-    assert redis_client.llen(key) == MAX_SAMPLES and 0 < redis_client.ttl(key) <= 3660
+def test_polling_samples_nothing_the_history_beat_does(admin_client, pools, settings):
+    assert all(w["history"] == [] for w in admin_client.get("/api/pools/").json()["workers"])
+    history_sample(now=time.time() - 1)
+    decode = next(w for w in admin_client.get("/api/pools/").json()["workers"] if w["id"] == "decode-1")
+    assert [s[1:] for s in decode["history"]] == [[3, 0, 1]]
 
 
 def test_dashboard_get_has_limit_canary_and_open_incidents(pools, admin_user):
@@ -171,7 +164,7 @@ def test_api_pools_returns_the_overview(admin_client, pools):
                 "faults", "quarantined", "heartbeat", "history"}
     assert expected <= decode.keys()
     assert (decode["used"], decode["free"], decode["dirty"]) == (3, 0, 1)
-    assert len(decode["history"]) == 1  # this poll sampled it
+    assert decode["history"] == []  # polling samples nothing (the history beat does)
     assert set(body["page_maps"]) == {"prefill-1", "decode-1"}
     assert body["effective_context_limit"] == 64
     assert {"latest_canary", "open_incidents"} <= body.keys()

@@ -1,4 +1,5 @@
-/* kvserve dashboard: renders /api/pools/ data (chart, workers, page maps, canary, incidents) and polls it.
+/* kvserve dashboard: renders /api/pools/ data (chart, workers, page maps, canary, incidents) and polls it; draws the
+   recorded series of /api/history/ (time series, window picker) and the per-tenant usage of /api/usage/.
    Plain DOM + inline SVG, no libraries; every server string goes through textContent, never innerHTML. */
 (function () {
   "use strict";
@@ -242,11 +243,13 @@
       return el("tr", { "class": "canary-check", "data-check": k.name }, [el("td", {}, [k.name]),
         el("td", { "data-outcome": outcomeOf(k) }, [outcomeBadge(outcomeOf(k))]),
         el("td", {}, [k.duration_s === null || k.duration_s === undefined ? "–" : Number(k.duration_s).toFixed(2) + " s"]),
-        el("td", {}, [perWorker(k) || el("code", {}, [JSON.stringify(k.details).slice(0, 160)])])]);
+        el("td", {}, [perWorker(k) || el("a", { href: c.url + "#check-" + encodeURIComponent(k.name), "class": "canary-details" },
+          [Object.keys(k.details || {}).join(", ") || "details"])])]);
     });
     replace("canary", el("div", {}, [
-      el("p", {}, ["Run #" + c.id + " started " + new Date(c.started_at).toLocaleString() + " ",
-        outcomeBadge(outcomeOf(c))]),
+      el("p", {}, [el("a", { href: c.url, "class": "canary-run-link" }, ["Run #" + c.id]),
+        " started " + new Date(c.started_at).toLocaleString() + " ", outcomeBadge(outcomeOf(c)),
+        " · ", el("a", { href: c.url }, ["every check and probe, as tables"])]),
       el("table", {}, [el("thead", {}, [el("tr", {}, ["Check", "Result", "Duration", "Details"].map(function (h) { return el("th", {}, [h]); }))]),
         el("tbody", {}, rows)])]));
   }
@@ -262,7 +265,7 @@
         el("td", {}, [i.pages.join(", ") || "–"]),
         el("td", {}, [i.reader_request ? el("code", {}, [shortId(i.reader_request)]) : "–",
           i.previous_owner_request ? " read pages of " : "", i.previous_owner_request ? el("code", {}, [shortId(i.previous_owner_request)]) : ""]),
-        el("td", {}, [i.detected_by]),
+        el("td", {}, [i.detected_by].concat(i.canary_url ? [" · ", el("a", { href: i.canary_url, "class": "canary-link" }, ["canary run"])] : [])),
         el("td", {}, [i.quarantined ? "worker was quarantined" : "", i.acknowledged ? " · acknowledged" : ""]),
       ]);
     });
@@ -271,6 +274,132 @@
     replace("incidents", el("div", {}, [el("table", {}, [el("thead", {}, [el("tr", {},
       ["#", "When", "Severity", "Kind", "Worker / pool", "Pages", "Requests", "Detected by", "State"].map(function (h) { return el("th", {}, [h]); }))]),
       el("tbody", {}, rows)]), more]));
+  }
+
+
+  // --- history: time series from /api/history/ (inline SVG line charts, one point marker per sample) ----------
+  var PALETTE = ["#0969da", "#cf222e", "#1a7f37", "#8250df", "#bf8700", "#57606a", "#e16f24", "#0a7a8a"];
+  function compact(v) {
+    if (v === null || v === undefined) return "–";
+    var a = Math.abs(v);
+    return a >= 1e6 ? (v / 1e6).toFixed(1) + "M" : a >= 1e4 ? (v / 1e3).toFixed(0) + "k" : a >= 100 ? v.toFixed(0) :
+      a >= 1 ? v.toFixed(1) : a === 0 ? "0" : v.toPrecision(2);
+  }
+  function lineChart(key, title, unit, series, h) {
+    var W = 330, H = 140, L = 42, R = 8, T = 8, B = 20, now = h.now, win = h.window_s;
+    var values = [];
+    series.forEach(function (s) { s.points.forEach(function (p) { if (p[1] !== null && p[1] !== undefined) values.push(p[1]); }); });
+    var max = Math.max.apply(null, values.concat([0])) || 1;
+    var x = function (ts) { return L + (W - L - R) * (1 - (now - ts) / win); };
+    var y = function (v) { return T + (H - T - B) * (1 - v / (max * 1.1)); };
+    var chart = svg("svg", { viewBox: "0 0 " + W + " " + H, role: "img", "aria-label": title });
+    [0, 0.5, 1].forEach(function (f) {
+      chart.appendChild(svg("line", { x1: L, x2: W - R, y1: y(max * f), y2: y(max * f), stroke: "#e1e4e8" }));
+      chart.appendChild(svg("text", { x: L - 4, y: y(max * f) + 3, "text-anchor": "end", "font-size": 9, fill: "#666" }, compact(max * f)));
+    });
+    [1, 0.5, 0].forEach(function (f) {
+      var t = now - win * f, label = f === 0 ? "now" : "-" + (win * f >= 3600 ? (win * f / 3600) + " h" : (win * f / 60) + " min");
+      chart.appendChild(svg("text", { x: x(t), y: H - 6, "text-anchor": f === 1 ? "start" : f === 0 ? "end" : "middle", "font-size": 9, fill: "#666" }, label));
+    });
+    var drawn = 0;
+    series.forEach(function (s, i) {
+      var color = s.color || PALETTE[i % PALETTE.length], run = [];
+      var g = svg("g", { "class": "series", "data-series": s.name });
+      function flush() {
+        if (run.length > 1) g.appendChild(svg("polyline", { points: run.join(" "), fill: "none", stroke: color, "stroke-width": 1.5 }));
+        run = [];
+      }
+      s.points.forEach(function (p) {
+        if (p[1] === null || p[1] === undefined) { flush(); return; }  // no value: a gap, never a zero
+        var px = x(p[0]).toFixed(1), py = y(p[1]).toFixed(1);
+        run.push(px + "," + py);
+        g.appendChild(svg("circle", { "class": "pt", cx: px, cy: py, r: 1.6, fill: color, "data-ts": p[0], "data-value": p[1] },
+          undefined)).appendChild(svg("title", {}, s.name + ": " + compact(p[1]) + unit + " at " + new Date(p[0] * 1000).toLocaleTimeString()));
+        drawn += 1;
+      });
+      flush();
+      chart.appendChild(g);
+    });
+    var legend = el("div", { "class": "legend" }, series.map(function (s, i) {
+      var last = null;
+      s.points.forEach(function (p) { if (p[1] !== null && p[1] !== undefined) last = p[1]; });
+      return el("span", { "class": "legend-item" }, [el("span", { "class": "swatch", style: "background:" + (s.color || PALETTE[i % PALETTE.length]) }),
+        s.name + " " + compact(last) + unit]);
+    }));
+    return el("div", { "class": "chart", "data-chart": key, "data-points": drawn }, [el("h3", {}, [title]), chart,
+      series.length ? legend : el("p", { "class": "empty" }, ["no samples in this window"])]);
+  }
+  function historyCharts(h) {
+    var svc = h.service, col = function (name, scale) {
+      return svc.map(function (s) { return [s.ts, s[name] === null || s[name] === undefined ? null : s[name] * (scale || 1)]; });
+    };
+    var codes = {};
+    svc.forEach(function (s) { Object.keys(s.errors || {}).forEach(function (c) { codes[c] = (codes[c] || 0) + s.errors[c]; }); });
+    var top = Object.keys(codes).sort(function (a, b) { return codes[b] - codes[a]; }).slice(0, 5);
+    var errors = [{ name: "all codes", color: "#cf222e", points: svc.map(function (s) {
+      return [s.ts, s.interval_s === null ? null : Object.keys(s.errors || {}).reduce(function (n, c) { return n + s.errors[c]; }, 0)]; }) }]
+      .concat(top.map(function (c, i) { return { name: c, color: PALETTE[(i + 2) % PALETTE.length], points: svc.map(function (s) {
+        return [s.ts, s.interval_s === null ? null : (s.errors || {})[c] || 0]; }) }; }));
+    var pools = Object.keys(h.pools).map(function (id) {
+      return { name: id, points: h.pools[id].map(function (p) { var t = p[1] + p[2] + p[3]; return [p[0], t ? 100 * p[1] / t : 0]; }) };
+    });
+    return [
+      lineChart("throughput", "Throughput (generated tokens/s)", "", [{ name: "tokens/s", points: col("tokens_per_s") }], h),
+      lineChart("ttft", "Time to first token (s)", " s", [{ name: "p50", points: col("ttft_p50_s") },
+        { name: "p99", color: "#cf222e", points: col("ttft_p99_s") }], h),
+      lineChart("errors", "Failed requests per sample, by code", "", errors, h),
+      lineChart("refused", "429s per sample (fair share, throttle)", "", [{ name: "429s", color: "#bf8700", points: col("refused_429") }], h),
+      lineChart("queue", "Queue depth", "", [{ name: "tasks in the broker", points: col("queue_tasks") },
+        { name: "waiting for pages", color: "#8250df", points: col("waiting") }], h),
+      lineChart("preemptions", "Preemptions per sample", "", [{ name: "preemptions", color: "#e16f24", points: col("preemptions") }], h),
+      lineChart("prefix-cache", "Prefix-cache hit rate (%)", " %", [{ name: "hit rate", color: "#1a7f37", points: col("prefix_cache_hit_rate", 100) }], h),
+      lineChart("pools", "Pool utilization (% of pages used)", " %", pools, h),
+    ];
+  }
+  function renderHistory(h) {
+    document.getElementById("history-charts").replaceChildren.apply(document.getElementById("history-charts"), historyCharts(h));
+    var hint = document.getElementById("history-hint");
+    hint.textContent = h.service.length + " samples in this window · one every " + h.sample_every_s + " s, kept " +
+      (h.retention_s / 3600) + " h · sampled by celery beat whether or not anyone watches";
+    root.dataset.historyAt = String(h.now);
+  }
+  function pollHistory() {
+    var win = document.getElementById("history-window").value;
+    getJson(root.dataset.historyApi + "?window=" + encodeURIComponent(win)).then(renderHistory).catch(function (e) {
+      document.getElementById("history-hint").textContent = "history unavailable (" + e.message + ")";
+    });
+  }
+
+  // --- usage per tenant (/api/usage/) ----------------------------------------------------------------
+  function renderUsage(u) {
+    if (!u.tenants.length) { replace("usage-table", el("p", { "class": "empty" }, ["No usage in this period."])); return; }
+    var head = ["Tenant", "Requests", "Completed", "Prompt tokens", "Completion tokens", "Cached tokens", "Cache hit rate",
+      "429s", "Failed", "Failures by code"];
+    var rows = u.tenants.map(function (t) {
+      var codes = Object.keys(t.failures).map(function (c) { return c + ": " + t.failures[c]; }).join(", ");
+      return el("tr", { "class": "usage-row", "data-tenant": t.tenant_id }, [el("td", { "class": "tenant" }, [t.label])].concat(
+        [t.requests, t.completed, t.prompt_tokens, t.completion_tokens, t.cached_tokens].map(function (n) { return el("td", { "class": "num" }, [fmt(n)]); }),
+        [el("td", { "class": "num" }, [pct(t.cache_hit_rate)]), el("td", { "class": "num refused" }, [fmt(t.refused_429)]),
+         el("td", { "class": "num failed" }, [fmt(t.failed)]), el("td", {}, [codes || "–"])]));
+    });
+    replace("usage-table", el("table", { "class": "usage" }, [el("thead", {}, [el("tr", {}, head.map(function (h, i) {
+      return el("th", { "class": i ? "num" : "" }, [h]); }))]), el("tbody", {}, rows)]));
+  }
+  function pollUsage() {
+    var seconds = Number(document.getElementById("usage-period").value);
+    var to = new Date(Math.ceil(Date.now() / 3600000) * 3600000), from = new Date(to.getTime() - seconds * 1000);
+    var query = "?from=" + encodeURIComponent(from.toISOString()) + "&to=" + encodeURIComponent(to.toISOString());
+    document.getElementById("usage-csv").setAttribute("href", root.dataset.usageCsv + query);
+    getJson(root.dataset.usageApi + query).then(renderUsage).catch(function (e) {
+      replace("usage-table", el("p", { "class": "fault" }, ["usage unavailable (" + e.message + ")"]));
+    });
+  }
+  function getJson(url) {
+    return fetch(url, { credentials: "same-origin", cache: "no-store", headers: { Accept: "application/json" } })
+      .then(function (r) {
+        if (!r.ok) throw new Error(r.status === 403 ? "session expired: log in again" : "HTTP " + r.status);
+        return r.json();
+      });
   }
 
   // --- refresh loop -----------------------------------------------------------------------------
@@ -299,5 +428,9 @@
     root = document.getElementById("dashboard");
     render(JSON.parse(document.getElementById("dashboard-data").textContent));
     setInterval(poll, Number(root.dataset.refreshMs) || 3000);
+    document.getElementById("history-window").addEventListener("change", pollHistory);
+    document.getElementById("usage-period").addEventListener("change", pollUsage);
+    pollHistory(); pollUsage();
+    setInterval(function () { pollHistory(); pollUsage(); }, Number(root.dataset.historyRefreshMs) || 15000);
   });
 })();
