@@ -84,7 +84,8 @@ def process_logits(logits: torch.Tensor, params_list, steps: list[int], prompts=
         one multiplied;
       frequency_penalty, presence_penalty (OpenAI): over output tokens, logit -= freq * count + pres * (count > 0);
       logit_bias: added;
-      min_tokens: while fewer outputs than it, EOS (unless ignore_eos) and stop_token_ids are -inf."""
+      min_tokens: while fewer outputs than it, EOS (unless ignore_eos) and stop_token_ids are -inf, unless
+        nothing else is left to the row (a grammar that may only end)."""
     x = logits.float()
     device, vocab = x.device, x.shape[-1]
     outputs = outputs if outputs is not None else [[] for _ in params_list]
@@ -121,7 +122,13 @@ def process_logits(logits: torch.Tensor, params_list, steps: list[int], prompts=
               for t in set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids)) if 0 <= t < vocab]
     if banned:
         r, c = zip(*banned)
-        writable()[torch.tensor(r, device=device), torch.tensor(c, device=device)] = float("-inf")
+        r, c = torch.tensor(r, device=device), torch.tensor(c, device=device)
+        held = x[r, c].clone()
+        writable()[r, c] = float("-inf")
+        # a row left no other token (a grammar that may only end here) keeps its end: never an all -inf row
+        stuck = torch.isneginf(x[r]).all(dim=-1)
+        if bool(stuck.any()):
+            x[r[stuck], c[stuck]] = held[stuck]
     return x
 
 

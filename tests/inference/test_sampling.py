@@ -179,3 +179,12 @@ def test_a_flat_distribution_with_top_p_looks_past_the_first_candidates():
     p = params(temperature=1.0, top_p=0.99, seed=1)
     drawn = {sample(logits, [params(temperature=1.0, top_p=0.99, seed=s)], [0])[0] for s in range(200)}
     assert max(drawn) > 1000 and sample(logits, [p], [0]) == sample(logits, [p], [0])
+
+
+def test_min_tokens_never_leaves_a_row_nothing_to_draw():
+    """A grammar that may only end (every other token -inf) under min_tokens: the end stays drawable."""
+    logits = torch.full((2, 8), float("-inf"))
+    logits[0, 7] = 0.0  # row 0: only EOS (7) is allowed
+    logits[1] = torch.arange(8.0)  # row 1: EOS is the argmax, and is held back
+    params = [SamplingParams(min_tokens=5), SamplingParams(min_tokens=5)]
+    assert sample(logits, params, [0, 0], eos_ids=(7,)) == [7, 6]
