@@ -64,9 +64,10 @@ class TextStream:
 
     @property
     def settled(self) -> str:
-        """`text` less its trailing U+FFFD (an incomplete character, or invalid bytes a later token may follow):
-        what may be shown now, and all a sequence that ends here shows."""
-        return self.text.rstrip("\ufffd")
+        """`text` less an incomplete trailing character (bytes a later token may complete): what may be shown
+        now, and all a sequence that ends here shows. Invalid bytes no token can complete stay U+FFFD, as a full
+        decode shows them (byte level: exactly the incomplete tail is held; other decoders: trailing U+FFFD)."""
+        return self._stable if self._utf8 is not None else self._stable.rstrip("\ufffd")
 
     @property
     def stable_len(self) -> int:

@@ -76,7 +76,7 @@ def test_canary_passes_on_a_healthy_stack(canary_stack):
     assert rows(s, "select count(*) from incidents_incident") == [(0,)]
     assert not any(w.quarantined for w in s.registry().live_workers())
     tasks = dict(rows(s, "select task, enabled from django_celery_beat_periodictask"))
-    assert tasks == {"kvserve.canary": 1, "kvserve.reap": 1}
+    assert tasks == {"kvserve.canary": 1, "kvserve.reap": 1, "kvserve.history_sample": 1}
 
 
 @pytest.mark.timeout(600)

@@ -119,8 +119,8 @@ def test_completions_errors_and_tenancy_are_the_chat_ones(client, stack):
     assert exc.value.body["param"] == "max_tokens"
     with pytest.raises(openai.BadRequestError) as exc:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                       response_format={"type": "json_object"})
-    assert exc.value.body["param"] == "response_format"
+                                       response_format={"type": "xml"})
+    assert exc.value.body["param"] == "response_format.type"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-3.5-turbo-instruct", prompt="hi")
     with pytest.raises(openai.AuthenticationError):

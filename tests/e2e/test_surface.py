@@ -37,7 +37,7 @@ def test_continuous_usage_stats_counts_every_token(client, model_id):
 
 def test_the_openai_clients_refused_and_unknown_fields_are_400s(client, model_id):
     for extra, param in (({"top_logprobs": None, "store": True}, "store"), ({"max_token": 5}, "max_token"),
-                         ({"guided_choice": ["a", "b"]}, "guided_choice")):
+                         ({"structural_tag": "{}"}, "structural_tag")):
         with pytest.raises(openai.BadRequestError) as exc:
             client.chat.completions.create(model=model_id, messages=MESSAGES, max_tokens=2, extra_body=extra)
         assert exc.value.body["param"] == param, exc.value.body
