@@ -158,3 +158,9 @@ def model_setting(env: Mapping | None = None) -> str:
 def role_setting(env: Mapping | None = None) -> str | None:
     """KVSERVE_ROLE (prefill or decode), None when unset."""
     return env_choice("KVSERVE_ROLE", "", ROLES, env) or None
+
+
+def thread_budget_setting(env: Mapping | None = None) -> str:
+    """KVSERVE_THREAD_BUDGET: fixed (the default) or shared (workers on one host lend each other their cores;
+    bench.cores measured it 0.14x of fixed with other load on the host, see bench/RESULTS.md)."""
+    return env_choice("KVSERVE_THREAD_BUDGET", "fixed", ("shared", "fixed"), env)

@@ -2,7 +2,7 @@
 runs it, the web from kvserve/settings/engine.py, so a malformed value stops it at start, named. No torch here."""
 from inference.faults import Faults
 from inference.settings import (engine_settings, port_setting, redis_url_setting, role_setting,
-                                runtime_settings)
+                                runtime_settings, thread_budget_setting)
 
 
 def settings_validate() -> None:
@@ -13,4 +13,5 @@ def settings_validate() -> None:
     role_setting()
     redis_url_setting()
     port_setting()
+    thread_budget_setting()
     Faults.from_env()

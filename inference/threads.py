@@ -2,15 +2,22 @@
 
 Workers sharing a host must not oversubscribe its cores: an OpenMP op waits at its barrier for
 every one of its threads, so a thread descheduled by another process's threads stalls the whole op.
-Defaults: a prefill or decode worker takes half the host's cores (at least one), since `make run`
-puts one of each on the same host; anything else (the CLI, benchmarks) takes every core.
+Defaults: a prefill or decode worker starts with half the host's cores (at least one), since `make run`
+puts one of each on the same host; with KVSERVE_THREAD_BUDGET=shared, `CoreBudget` lends it every core while no
+other worker on the host has work;
+anything else (the CLI, benchmarks) takes every core.
 """
+import fcntl
 import logging
+import mmap
 import os
+import struct
+import tempfile
+from pathlib import Path
 
 import torch
 
-from inference.settings import env_int
+from inference.settings import env_int, thread_budget_setting
 
 log = logging.getLogger(__name__)
 
@@ -32,3 +39,94 @@ def torch_threads_apply(role: str | None = None) -> int:
     log.info("torch intra-op threads: %d (%s role, %d cores; KVSERVE_TORCH_THREADS overrides)",
              n, role or "no", os.cpu_count() or 1)
     return n
+
+
+
+class CoreBudget:
+    """The cores of one host shared by the workers on it (`KVSERVE_THREAD_BUDGET=shared`; default fixed).
+
+    Each worker process holds a slot of a small shared file saying whether it has work. A worker about
+    to step takes cores // (live workers with work, itself included): every core while it is the only
+    one with work, its share when others have work too. A dead process's slot counts for nothing and is
+    taken over. One step of oversubscription at most: a worker that grew gives its cores back at its
+    next step.
+    """
+
+    SLOT = struct.Struct("<qq")  # pid, has work (0/1)
+    SLOTS = 64
+
+    def __init__(self, path: Path, cores: int, pid: int | None = None):
+        self.path, self.cores = path, cores
+        self._busy = False
+        self.pid = os.getpid() if pid is None else pid
+        size = self.SLOT.size * self.SLOTS
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # two workers starting at once never take the same slot
+            if os.fstat(fd).st_size < size:
+                os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, size)
+            self._mine = self._claim()
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)  # explicitly: the mapping holds a duplicate of fd, and with it the lock
+            os.close(fd)
+
+    def _claim(self) -> int:
+        for i in range(self.SLOTS):
+            pid, _ = self.SLOT.unpack_from(self._map, i * self.SLOT.size)
+            if pid in (0, self.pid) or not _alive(pid):
+                self.SLOT.pack_into(self._map, i * self.SLOT.size, self.pid, 0)
+                return i * self.SLOT.size
+        raise RuntimeError(f"{self.path}: all {self.SLOTS} slots are held by live processes; "
+                           "set KVSERVE_THREAD_BUDGET=fixed for this many workers on one host")
+
+    def threads_for_step(self) -> int:
+        """Marks this worker as having work; returns the threads its next step may use."""
+        self._mark(True)
+        busy = 0
+        for i in range(self.SLOTS):
+            pid, has_work = self.SLOT.unpack_from(self._map, i * self.SLOT.size)
+            busy += bool(pid and has_work and (pid == self.pid or _alive(pid)))
+        return max(1, self.cores // busy)
+
+    def idle(self) -> None:
+        """This worker has nothing to step: the others may take its cores."""
+        self._mark(False)
+
+    def _mark(self, busy: bool) -> None:
+        if busy != self._busy:
+            self.SLOT.pack_into(self._map, self._mine, self.pid, int(busy))
+            self._busy = busy
+
+    def apply(self) -> int:
+        n = self.threads_for_step()
+        if n != torch.get_num_threads():
+            torch.set_num_threads(n)
+        return n
+
+    def close(self) -> None:
+        """Gives the slot back (a dead process's slot is taken over anyway)."""
+        self.SLOT.pack_into(self._map, self._mine, 0, 0)
+        self._map.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def core_budget_for(role: str, prefix: str, env=None) -> CoreBudget | None:
+    """The host's shared budget for a worker, or None where threads stay fixed: KVSERVE_TORCH_THREADS
+    set, KVSERVE_THREAD_BUDGET=fixed, a single core or a process that is not a worker."""
+    env = os.environ if env is None else env
+    mode = thread_budget_setting(env)
+    cores = os.cpu_count() or 1
+    if mode == "fixed" or role not in WORKER_ROLES or cores < 2 or env.get("KVSERVE_TORCH_THREADS", "").strip():
+        return None
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    return CoreBudget(base / f"kvserve-cores-{os.getuid()}-{prefix}", cores)

@@ -48,6 +48,7 @@ from inference.scheduler import RequestTooLarge
 from inference.sequence import SamplingParams, Sequence, SeqStatus
 from inference.settings import runtime_settings
 from inference.streams import OutputStream
+from inference.threads import CoreBudget
 from inference.transport import RedisTransport
 
 log = logging.getLogger(__name__)
@@ -241,8 +242,9 @@ class ProbeCommand:
 class WorkerRuntime:
     def __init__(self, role: str, redis, handoff_key: bytes, *, model=None, config: EngineConfig | None = None,
                  options: RuntimeOptions | None = None, node: str = "", on_violation=None, on_reclaim=None, on_lease_lost=None,
-                 on_quarantine=None, on_fatal=None, clock=time.monotonic):
+                 on_quarantine=None, on_fatal=None, clock=time.monotonic, cores: CoreBudget | None = None):
         self.role = role
+        self.cores = cores  # the host's thread budget shared with its other workers; None: threads stay fixed
         self.redis = redis
         self.handoff_key = handoff_key
         self.clock = clock  # the loop's progress stamp, the watchdog and the loop's timers read it (tests move it)
@@ -382,6 +384,8 @@ class WorkerRuntime:
         self._commands.put(StopCommand())
         for t in self._threads:
             t.join(timeout=5)
+        if self.cores:
+            self.cores.idle()
         for rid, fut in list(self._futures.items()):
             if not fut.done():
                 fut.set_exception(RequestFailed("worker_stopping", "the worker is shutting down"))
@@ -422,7 +426,11 @@ class WorkerRuntime:
             self._mark_clean()
             self._admit_pending()
             if e.has_work:
+                if self.cores:
+                    self.cores.apply()
                 self._handle(e.step())
+            elif self.cores:
+                self.cores.idle()
             if self._host.pool_lost:
                 raise PoolLost(self._host.pool_lost)
             self._failures = 0

@@ -7,8 +7,8 @@ from django.conf import settings
 
 from inference.logs import log_context_set
 from inference.settings import role_setting
-from inference.threads import torch_threads_apply
-from inference.worker import WorkerRuntime
+from inference.threads import core_budget_for, torch_threads_apply
+from inference.worker import RuntimeOptions, WorkerRuntime
 from kvserve.secrets import secret_get
 from kvserve.workers import redis_client
 
@@ -45,7 +45,9 @@ def runtime_start(role: str, **overrides):
     """Builds this process's engine runtime; `overrides` (the Celery node, the engine's callbacks) go to
     WorkerRuntime."""
     torch_threads_apply(role)  # before the engine exists: its first ops size their thread pool
-    runtime = WorkerRuntime(role, redis_client(settings.REDIS_URL), handoff_key(), **overrides)
+    options = RuntimeOptions.from_env()
+    runtime = WorkerRuntime(role, redis_client(settings.REDIS_URL), handoff_key(), options=options,
+                            cores=core_budget_for(role, options.prefix), **overrides)
     _runtime["current"] = runtime
     log_context_set(worker_id=runtime.worker_id)  # on every later log line of this process
     log.info("worker %s ready: %s", runtime.worker_id, runtime.info().to_dict())

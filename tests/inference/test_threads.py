@@ -1,10 +1,12 @@
-"""KVSERVE_TORCH_THREADS and the per-role defaults (workers sharing a host split its cores)."""
+"""KVSERVE_TORCH_THREADS, the per-role defaults and the core budget workers sharing a host lend each other."""
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from inference.threads import torch_threads_apply, torch_threads_for
+from inference.threads import CoreBudget, core_budget_for, torch_threads_apply, torch_threads_for
 
 
 def test_workers_take_half_the_cores_and_everything_else_all_of_them():
@@ -26,5 +28,61 @@ def test_apply_sets_torchs_thread_count(monkeypatch):
     monkeypatch.setenv("KVSERVE_TORCH_THREADS", "1")
     try:
         assert torch_threads_apply("decode") == 1 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def _budget(tmp_path, pid, cores=2):
+    return CoreBudget(tmp_path / "cores", cores, pid=pid)
+
+
+def test_a_worker_alone_with_work_takes_every_core_and_shares_them_when_another_has_work(tmp_path):
+    prefill, decode = _budget(tmp_path, os.getpid()), _budget(tmp_path, os.getppid())
+    assert prefill.threads_for_step() == 2  # decode has nothing to step
+    assert decode.threads_for_step() == 1  # both have work: half each
+    assert prefill.threads_for_step() == 1
+    decode.idle()
+    assert prefill.threads_for_step() == 2  # its cores come back as soon as it idles
+    prefill.idle()
+    assert decode.threads_for_step() == 2
+
+
+def test_a_dead_workers_slot_counts_for_nothing_and_is_taken_over(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    gone = _budget(tmp_path, dead.pid)
+    gone.threads_for_step()  # it died with work marked
+    live = _budget(tmp_path, os.getppid())
+    assert live._mine == gone._mine  # the dead process's slot, taken over
+    assert live.threads_for_step() == 2  # the dead one's work is not counted
+    other = _budget(tmp_path, os.getpid())
+    assert other.threads_for_step() == 1 and live.threads_for_step() == 1
+    live.idle()
+    assert other.threads_for_step() == 2
+
+
+def test_the_budget_is_off_where_threads_are_fixed(tmp_path):
+    assert core_budget_for("decode", "t", env={}) is None  # fixed by default
+    assert core_budget_for("decode", "t", env={"KVSERVE_THREAD_BUDGET": "fixed"}) is None
+    assert core_budget_for("decode", "t", env={"KVSERVE_TORCH_THREADS": "1"}) is None
+    assert core_budget_for(None, "t", env={}) is None
+    budget = core_budget_for("decode", f"kvstest-{os.getpid()}", env={"KVSERVE_THREAD_BUDGET": "shared"})
+    try:
+        assert isinstance(budget, CoreBudget) and budget.cores == (os.cpu_count() or 1)
+    finally:
+        budget.close()
+        budget.path.unlink()
+    with pytest.raises(ValueError, match="KVSERVE_THREAD_BUDGET"):
+        core_budget_for("decode", "t", env={"KVSERVE_THREAD_BUDGET": "elastic"})
+
+
+def test_apply_sets_the_threads_of_the_calling_thread(tmp_path):
+    before = torch.get_num_threads()
+    try:
+        budget = _budget(tmp_path, os.getpid(), cores=2)
+        assert budget.apply() == 2 and torch.get_num_threads() == 2
+        other = _budget(tmp_path, os.getppid(), cores=2)
+        other.threads_for_step()
+        assert budget.apply() == 1 and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
