@@ -1,6 +1,6 @@
 """kvserve against Hugging Face transformers on the same GGUF, same prompts, one process, one run.
 
-    python -m bench.engine [--repeats 3] [--quick]
+    python -m bench.engine [--repeats 3] [--quick] [--precision fp32[,bf16,fp16w,auto]]
 
 Both sides load the same file (`inference.loader.resolve_model_path()`) and run it in float32 on
 the CPU with the same thread count. Each round runs every measurement of both systems, interleaved
@@ -31,6 +31,11 @@ How decode tok/s excludes prefill
     which is what kvserve's figure counts (`ratio_decode_c32_goodput`).
   * prefill tok/s = prompt tokens / time to first token (kvserve: add_request + steps until the
     first token; HF: generate with max_new_tokens=1).
+
+Precision (`--precision`, inference.precision): the first mode listed is "kvserve" in every figure and
+ratio above; each further mode gets its own engine on the same LoadedModel, measured in the same rounds
+right after the first (prefill, c1, c32), reported as kvserve_*_<mode> and speedup_*_<mode> (the median
+over rounds of that round's <mode> / first-mode ratio).
 
 Ends with one JSON line (see `emit_json`): kvserve_*, hf_* figures and the ratios kvserve/HF.
 """
@@ -63,10 +68,10 @@ def workload(tokenizer, quick: bool):
 
 # ---- kvserve -------------------------------------------------------------------------------
 
-def make_engine(model, prompts, max_tokens) -> Engine:
+def make_engine(model, prompts, max_tokens, precision: str = "fp32") -> Engine:
     pages = sum(-(-(len(p) + t) // 16) for p, t in zip(prompts, max_tokens))
     return Engine(model, EngineConfig(num_pages=max(1024, pages + 64), page_size=16, chunk_size=512,
-                                      max_num_seqs=max(64, len(prompts))))
+                                      max_num_seqs=max(64, len(prompts)), precision=precision))
 
 
 def kvserve_decode(engine: Engine, prompts, max_tokens) -> dict:
@@ -155,7 +160,11 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="small smoke run (fewer prompts and tokens, 1 round)")
     parser.add_argument("--no-hf", action="store_true", help="kvserve only (ratios are then null)")
     parser.add_argument("--threads", type=int, help="torch threads for both systems (default: all CPUs)")
+    parser.add_argument("--precision", default="fp32",
+                        help="comma-separated kvserve precisions (fp32, bf16, fp16w, auto); the first is compared "
+                             "with HF, the others with the first")
     args = parser.parse_args(argv)
+    modes = [m.strip() for m in args.precision.split(",") if m.strip()]
     repeats = 1 if args.quick else args.repeats
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -170,17 +179,23 @@ def main(argv=None) -> int:
         f"{min(max_tokens)}..{max(max_tokens)} new tokens (HF: {hf_new} each); c1 prompt {len(w['c1_prompt'])} "
         f"tokens + {w['c1_new']}; prefill prompt {len(w['prefill_prompt'])} tokens; {repeats} rounds; "
         f"{torch.get_num_threads()} threads")
-    engine = make_engine(model, prompts, max_tokens)
+    engine = make_engine(model, prompts, max_tokens, modes[0])
+    others = {m: make_engine(model, prompts, max_tokens, m) for m in modes[1:]}
+    log("precision: " + ", ".join(f"{m} -> {e.precision}" for m, e in [(modes[0], engine), *others.items()]))
     hf = None if args.no_hf else load_hf()
     log(f"models loaded in {time.perf_counter() - started:.1f}s")
 
     # warm-up: one short pass each, so first-call costs (allocations, kernels) are not measured
     kvserve_decode(engine, prompts[:2], [4, 4])
     kvserve_prefill(engine, w["prefill_prompt"][:64])
+    for e in others.values():
+        kvserve_decode(e, prompts[:2], [4, 4])
+        kvserve_prefill(e, w["prefill_prompt"][:64])
     if hf is not None:
         hf_generate(hf, [w["c1_prompt"][:32]], 3, pad_id)
 
-    runs = {k: [] for k in ("kv_prefill", "kv_c1", "kv_c32", "hf_prefill", "hf_b1", "hf_b32", "hf_b32_goodput")}
+    runs = {k: [] for k in ("kv_prefill", "kv_c1", "kv_c32", "hf_prefill", "hf_b1", "hf_b32", "hf_b32_goodput",
+                            *(f"kv_{f}_{m}" for m in others for f in ("prefill", "c1", "c32")))}
     for r in range(repeats):
         gc.collect()
         runs["kv_prefill"].append(kvserve_prefill(engine, w["prefill_prompt"])["tok_s"])
@@ -196,6 +211,10 @@ def main(argv=None) -> int:
             res = hf_b32(hf, prompts, max_tokens, pad_id)
             runs["hf_b32"].append(res["decode_tok_s"])
             runs["hf_b32_goodput"].append(res["goodput_tok_s"])
+        for m, e in others.items():
+            runs[f"kv_prefill_{m}"].append(kvserve_prefill(e, w["prefill_prompt"])["tok_s"])
+            runs[f"kv_c1_{m}"].append(kvserve_decode(e, [w["c1_prompt"]], [w["c1_new"]])["tok_s"])
+            runs[f"kv_c32_{m}"].append(kvserve_decode(e, prompts, max_tokens)["tok_s"])
         log(f"round {r + 1}/{repeats}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in runs.items() if v)
             + f" ({time.perf_counter() - started:.0f}s)")
 
@@ -217,7 +236,15 @@ def main(argv=None) -> int:
         repeats=repeats, quick=args.quick, threads=torch.get_num_threads(), num_prompts=len(prompts),
         prefill_prompt_tokens=len(w["prefill_prompt"]), seconds=round(time.perf_counter() - started, 1),
         runs={k: [round(x, 2) for x in v] for k, v in runs.items()},
+        precision=engine.precision, precision_choice=engine.precision_choice.line(),
     )
+    for m, e in others.items():
+        result.update({f"kvserve_decode_tok_s_c32_{m}": med[f"kv_c32_{m}"], f"kvserve_decode_tok_s_c1_{m}": med[f"kv_c1_{m}"],
+                       f"kvserve_prefill_tok_s_500_{m}": med[f"kv_prefill_{m}"],
+                       f"speedup_decode_c32_{m}": ratio(f"kv_c32_{m}", "kv_c32"),
+                       f"speedup_decode_c1_{m}": ratio(f"kv_c1_{m}", "kv_c1"),
+                       f"speedup_prefill_{m}": ratio(f"kv_prefill_{m}", "kv_prefill"),
+                       f"precision_{m}": e.precision_choice.line()})
     rows = [
         dict(figure=f"decode tok/s, {len(prompts)} concurrent", kvserve=med["kv_c32"], hf=med["hf_b32"],
              ratio=result["ratio_decode_c32"], target=1.8),
@@ -227,6 +254,13 @@ def main(argv=None) -> int:
         dict(figure=f"prefill tok/s, {len(w['prefill_prompt'])}-token prompt", kvserve=med["kv_prefill"],
              hf=med["hf_prefill"], ratio=result["ratio_prefill"], target=1.0),
     ]
+    for m, e in others.items():
+        rows += [dict(figure=f"[{m} -> {e.precision}] decode tok/s, {len(prompts)} concurrent", kvserve=med[f"kv_c32_{m}"],
+                      hf=None, ratio=result[f"speedup_decode_c32_{m}"], target=f"vs {modes[0]}"),
+                 dict(figure=f"[{m}] decode tok/s, 1 stream", kvserve=med[f"kv_c1_{m}"], hf=None,
+                      ratio=result[f"speedup_decode_c1_{m}"], target=f"vs {modes[0]}"),
+                 dict(figure=f"[{m}] prefill tok/s", kvserve=med[f"kv_prefill_{m}"], hf=None,
+                      ratio=result[f"speedup_prefill_{m}"], target=f"vs {modes[0]}")]
     print_table([{k: ("-" if v is None else v) for k, v in row.items()} for row in rows],
                 title=f"bench.engine: medians of {repeats} interleaved rounds ({torch.get_num_threads()} threads)")
     emit_json(result)

@@ -82,6 +82,9 @@ def worker_families(scrape: dict):
                  "(num_gpu_blocks), tokens per page (block_size), element type (cache_dtype)",
                  ["worker", "role", "block_size", "num_gpu_blocks", "cache_dtype"],
                  [((w.worker_id, w.role, str(w.page_size), str(w.num_pages), str(w.dtype)), 1) for w in workers])
+    yield _gauge("kvserve_precision_info", "The matmul precision each live worker runs (inference.precision: "
+                 "fp32, bf16, fp16w)", ["worker", "role", "mode"],
+                 [((w.worker_id, w.role, w.precision), 1) for w in workers])
     limit = registry.effective_limit()
     yield _gauge("kvserve_effective_context_limit_tokens",
                  "Admission limit (prompt + max_tokens); 0 when no prefill and decode worker can serve", [],

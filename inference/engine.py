@@ -17,6 +17,7 @@ from inference.faults import NO_FAULTS, Faults
 from inference.grammar import grammar_accept, grammar_attach, grammar_mask
 from inference.kv_cache import PagePool, cdiv, page_checksums
 from inference.loader import LoadedModel, load_model
+from inference.precision import precision_fingerprint, resolve_precision
 from inference.model import Llama, choose_gemm
 from inference.prefix_cache import PrefixCache
 from inference.runner import StepBuilder
@@ -66,6 +67,7 @@ class EngineConfig:
     window: int | None = None  # tokens served per request; default: the model's context length
     scrub_policy: str = "on_free"
     dtype: str = "float32"
+    precision: str = "fp32"  # matmul precision (inference.precision): fp32, bf16, fp16w or auto (timed at start)
     device: str = "cpu"
     attention: str | None = None  # None: chosen from the device (KVSERVE_ATTENTION overrides)
     faults: Faults = field(default_factory=lambda: NO_FAULTS)
@@ -96,16 +98,18 @@ class EngineConfig:
 _BUILD_LOCK = threading.Lock()
 
 
-def shared_model(model: LoadedModel, dtype: torch.dtype, device: torch.device, attention_backend: str) -> Llama:
+def shared_model(model: LoadedModel, dtype: torch.dtype, device: torch.device, attention_backend: str,
+                 precision: str = "fp32") -> Llama:
     """The Llama another engine of this process already built from `model` for this dtype, device, attention
     backend and GEMM, else a new one. Its weights are read-only once packed, so engines on one LoadedModel
     (a worker's and its canary sandbox's) share them instead of packing ~0.5 GB each (bench.memory); it is
     freed with the last engine that holds it."""
-    key = (str(dtype), str(device), attention_backend, choose_gemm(device, dtype))
+    key = (str(dtype), str(device), attention_backend, choose_gemm(device, dtype), precision)
     with _BUILD_LOCK:
         llama = model.built.get(key)
         if llama is None:
-            llama = Llama(model.config, model.weights, dtype=dtype, device=device, attention_backend=attention_backend)
+            llama = Llama(model.config, model.weights, dtype=dtype, device=device, attention_backend=attention_backend,
+                          precision=precision)
             model.built[key] = llama
         return llama
 
@@ -119,7 +123,10 @@ class Engine:
         dtype = getattr(torch, config.dtype)
         device = torch.device(config.device)
         self.attention_backend = config.attention or select_backend(device, dtype)
-        self.model = shared_model(model, dtype, device, self.attention_backend)
+        self.precision_choice = resolve_precision(config.precision, mc, device, dtype, choose_gemm(device, dtype))
+        self.precision = self.precision_choice.mode
+        log.info("engine %s", self.precision_choice.line())
+        self.model = shared_model(model, dtype, device, self.attention_backend, self.precision)
         num_pages = config.pages_for(mc, dtype)
         self.pool = PagePool(num_pages, config.page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, device)
         allocator: PageAllocator = (allocator_factory or (lambda n: LocalAllocator(n)))(num_pages)
@@ -143,7 +150,9 @@ class Engine:
         self.runner = StepBuilder(self.pool, fresh_reads_pool=self.attention_backend == "xformers")
         self.window = config.window or mc.max_position
         self.tokenizer = model.tokenizer
-        self.fingerprint = model.fingerprint
+        # the handoff's model identity: KV prefilled in one precision is not the KV another computes (fp32 keeps
+        # the bare file fingerprint, which the API reports and older workers register)
+        self.fingerprint = precision_fingerprint(model.fingerprint, self.precision)
         self.violations: list[Violation] = []  # since the last take_violations()
         self.seqs: dict[str, Sequence] = {}
         self.groups: dict[str, ChoiceGroup] = {}  # request id -> its choices' shared prompt pages (decode side)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from inference.attention import BACKENDS, AttentionBatch
 from inference.memory import bound_gemm_caches
+from inference.precision import gemm_for
 from inference.settings import env_choice
 
 log = logging.getLogger(__name__)
@@ -62,15 +63,21 @@ class ModelConfig:
 
 class Llama:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype=torch.float32,
-                 device="cpu", attention_backend: str = "sdpa"):
+                 device="cpu", attention_backend: str = "sdpa", precision: str = "fp32"):
+        """`precision` (inference.precision): how the linear weights are stored and multiplied; embeddings,
+        norms, RoPE, the residual stream and the logits stay in `dtype` in every mode."""
         self.config = config
         self.attention_backend = attention_backend
         self._attend = BACKENDS[attention_backend]
         self.dtype = dtype
         self.device = torch.device(device)
         self.gemm = choose_gemm(self.device, dtype)
-        self._linear = _onednn_linear if self.gemm == "onednn" else _blas_linear
-        pack = (lambda m: torch.ops.mkldnn._reorder_linear_weight(m, 32)) if self.gemm == "onednn" else (lambda m: m)
+        if precision != "fp32" and dtype != torch.float32:
+            raise ValueError(f"precision {precision} needs an fp32 model, not {dtype}")
+        self.precision = precision
+        gemm = gemm_for(precision, self.device, self.gemm)
+        self.kernel = gemm.kernel
+        self._linear, pack = gemm.linear, gemm.pack
         w = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items()}
         c = config
         self.embed = w["model.embed_tokens.weight"]

@@ -79,6 +79,7 @@ class WorkerInfo:
     quarantined: bool = False
     started_at: float = 0.0
     heartbeat_at: float = 0.0
+    precision: str = "fp32"  # matmul precision (inference.precision); an older writer's workers ran fp32
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 
 SCRUB_POLICIES = ("on_free", "on_alloc", "off")
 DTYPES = ("float32", "bfloat16", "float16")
+PRECISIONS = ("fp32", "bf16", "fp16w", "auto")  # inference.precision.SETTING_CHOICES
 ROLES = ("prefill", "decode")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -113,6 +114,7 @@ def engine_settings(env: Mapping | None = None) -> dict:
         watermark=env_float("KVSERVE_WATERMARK", 0.01, low=0, high=1, env=env),
         probe_reserve_pages=env_int("KVSERVE_PROBE_RESERVE_PAGES", None, low=0, env=env),  # None: the engine's
         dtype=env_choice("KVSERVE_DTYPE", "float32", DTYPES, env),
+        precision=env_choice("KVSERVE_PRECISION", "fp32", PRECISIONS, env),  # inference.precision
         device=env_str("KVSERVE_DEVICE", "", env).strip() or None,
         prefix_cache=env_bool("KVSERVE_PREFIX_CACHE", True, env),
     )

@@ -313,7 +313,7 @@ class WorkerRuntime:
             attention_backend=e.attention_backend, scrub_policy=e.scrub_policy, faults=sorted(e.config.faults),
             max_position=e.model.config.max_position, node=self.node,
             page_shape=[int(n) for n in e.pool.data.shape[1:]],
-            started_at=time.time(), heartbeat_at=time.time(),
+            started_at=time.time(), heartbeat_at=time.time(), precision=e.precision,
         )
 
     @property

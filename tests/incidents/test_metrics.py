@@ -146,6 +146,8 @@ def test_metrics_read_live_state(client, registry, make_worker, tiny_model, djan
     info = {dict(k[1])["worker"]: dict(k[1]) for k, v in m.items() if k[0] == "kvserve_cache_config_info" and v == 1}
     assert info["decode-1"] == {"worker": "decode-1", "role": "decode", "block_size": "16", "num_gpu_blocks": "10",
                                 "cache_dtype": "float32"}
+    modes = {dict(k[1])["worker"]: dict(k[1])["mode"] for k, v in m.items() if k[0] == "kvserve_precision_info" and v == 1}
+    assert modes["decode-1"] == "fp32"  # the registration's default (an older worker that sends no precision)
     assert m[("kvserve_incidents_total", (("kind", "lease_expired"), ("severity", "warning")))] == 2
     assert m[("kvserve_incidents_resolved_total", (("kind", "lease_expired"), ("severity", "warning")))] == 1
     open_by = {s: m[("kvserve_incidents_open", (("severity", s),))] for s in ("critical", "warning")}

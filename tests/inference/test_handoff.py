@@ -143,6 +143,18 @@ def test_verdict_counts_model_and_pages_are_checked_before_the_kv_is_pulled(chan
     assert transport.take("r") is not None
 
 
+def test_a_decode_worker_in_another_precision_refuses_the_kv_before_pulling_it():
+    from inference.precision import precision_fingerprint
+
+    transport, h, _ = sent(model_fingerprint=precision_fingerprint("fp", "fp32"))
+    bf16_decode = dataclasses.replace(side(), fingerprint=precision_fingerprint("fp", "bf16"))
+    err = refused(h, transport, bf16_decode)
+    assert err.kind == "handoff_mismatch" and "fp+bf16" in err.reason
+    assert transport.take("r") is not None  # refused before its KV was pulled
+    transport, h, blob = sent(model_fingerprint=precision_fingerprint("fp", "bf16"))
+    assert torch.equal(handoff_accept(h, KEY, bf16_decode, transport.take)[1], blob)  # same precision: accepted
+
+
 def test_a_signature_with_another_key_is_forged():
     transport, h, _ = sent()
     assert refused(h.signed(b"x" * 32), transport).kind == "handoff_forged"

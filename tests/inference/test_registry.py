@@ -14,6 +14,14 @@ def test_worker_info_round_trips_and_ignores_unknown_fields(make_worker):
     assert WorkerInfo.from_dict({**data, "added_later": 1}) == info
 
 
+def test_a_registration_carries_its_precision_and_an_older_one_reads_as_fp32(make_worker):
+    data = make_worker("decode").to_dict()
+    assert data["precision"] == "fp32"  # the default: the engine's default
+    assert WorkerInfo.from_dict({**data, "precision": "bf16"}).precision == "bf16"
+    del data["precision"]  # written by a worker from before the field
+    assert WorkerInfo.from_dict(data).precision == "fp32"
+
+
 def test_register_then_live_with_role_filter(registry, make_worker):
     p = registry.register(make_worker("prefill", worker_id="p1"))
     d = registry.register(make_worker("decode", worker_id="d1"))

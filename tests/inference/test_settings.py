@@ -60,7 +60,7 @@ def test_parsed_values_report_the_parsers_reason_and_the_form():
 def test_engine_and_runtime_defaults_are_the_dataclasses():
     engine, config = engine_settings(env={}), EngineConfig()
     for name in ("num_pages", "page_size", "chunk_size", "max_num_seqs", "window", "scrub_policy", "watermark",
-                 "dtype"):
+                 "dtype", "precision"):
         assert engine[name] == getattr(config, name), name
     assert engine["prefix_cache"] is True and engine["device"] is None and "pool_mb" not in engine
     assert RuntimeOptions(**runtime_settings(env={})) == RuntimeOptions()
@@ -69,7 +69,8 @@ def test_engine_and_runtime_defaults_are_the_dataclasses():
 @pytest.mark.parametrize("name, raw", [("KVSERVE_NUM_PAGES", "1k"), ("KVSERVE_PAGE_SIZE", "0"),
                                        ("KVSERVE_SCRUB", "sometimes"), ("KVSERVE_WATERMARK", "2"),
                                        ("KVSERVE_DTYPE", "int4"), ("KVSERVE_PREFIX_CACHE", "maybe"),
-                                       ("KVSERVE_WINDOW", "-1"), ("KVSERVE_POOL_MB", "lots")])
+                                       ("KVSERVE_WINDOW", "-1"), ("KVSERVE_POOL_MB", "lots"),
+                                       ("KVSERVE_PRECISION", "int8")])
 def test_a_malformed_engine_setting_is_refused(name, raw):
     with pytest.raises(SettingError, match=name):
         engine_settings(env={name: raw})
@@ -80,6 +81,15 @@ def test_a_malformed_engine_setting_is_refused(name, raw):
 def test_a_malformed_runtime_setting_is_refused(name, raw):
     with pytest.raises(SettingError, match=name):
         runtime_settings(env={name: raw})
+
+
+def test_precision_is_read_and_its_choices_are_the_engines():
+    from inference.precision import SETTING_CHOICES
+    from inference.settings import PRECISIONS
+
+    assert sorted(PRECISIONS) == sorted(SETTING_CHOICES)
+    assert engine_settings(env={})["precision"] == "fp32"
+    assert engine_settings(env={"KVSERVE_PRECISION": "BF16"})["precision"] == "bf16"
 
 
 def test_from_env_reads_the_same_settings(monkeypatch):

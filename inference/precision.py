@@ -1,0 +1,202 @@
+"""The matmul precision a Llama runs (fp32, bf16, fp16w), each mode's accuracy contract against fp32, and the
+`auto` choice: every candidate timed once at engine start on the model's own projection shapes."""
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+MODES = ("fp32", "bf16", "fp16w")
+SETTING_CHOICES = ("auto",) + MODES  # KVSERVE_PRECISION (inference/settings.py)
+
+
+@dataclass(frozen=True)
+class Contract:
+    """What a mode must keep against fp32 on the real model (tests/inference/test_precision.py proves it):
+    teacher-forced over fp32's greedy continuation, the share of positions whose argmax is fp32's, and the
+    largest |logit - fp32 logit|. `max_kernel_rel_err` is the start-time check `auto` runs on each candidate's
+    matmul (|out - fp32 out| / |fp32 out|, Frobenius): it catches an ISA the VM advertises but computes wrong."""
+    min_argmax_agreement: float
+    max_abs_logit_diff: float
+    max_kernel_rel_err: float
+
+
+# Justification. fp32 is the reference itself (the HF-equivalence tests bound it to 2e-3 against transformers).
+# bf16 keeps an 8-bit mantissa (relative rounding 2^-9 ~ 2e-3) on weights and on the activations entering each
+# matmul; accumulation is fp32 and the residual stream, norms, RoPE, softmax, KV and logits stay fp32, so the
+# error does not compound through the residual. Over SmolLM2's 30 layers that moves logits (magnitude ~20) by
+# under 1 (measured on test_precision's 8 prompts x 16 tokens: max 0.66) and flips the argmax only where fp32's
+# top two are near-tied (measured agreement 0.984, 126/128); 0.9 / 3.0 leave room for other prompts and oneDNN builds and still
+# fail a wrong kernel (int8-cast weights: agreement ~0, logits off by tens). The kernel bound: one bf16 matmul
+# on random data errs ~3e-3 relative; 2e-2 is 6x that, while garbage is ~1. fp16w stores weights in fp16
+# (10-bit mantissa) and multiplies in fp32: ~8x tighter than bf16 (measured: max 0.04, agreement 0.992 - one
+# near-tie of 128), so its bounds are tighter (0.95 / 0.5).
+CONTRACTS = {
+    "fp32": Contract(min_argmax_agreement=1.0, max_abs_logit_diff=1e-3, max_kernel_rel_err=1e-5),
+    "bf16": Contract(min_argmax_agreement=0.9, max_abs_logit_diff=3.0, max_kernel_rel_err=2e-2),
+    "fp16w": Contract(min_argmax_agreement=0.95, max_abs_logit_diff=0.5, max_kernel_rel_err=3e-3),
+}
+
+
+@dataclass(frozen=True)
+class Agreement:
+    argmax_agreement: float
+    max_abs_logit_diff: float
+
+
+def compare_logits(reference: torch.Tensor, candidate: torch.Tensor) -> Agreement:
+    """Teacher-forced logits [T, vocab] of fp32 and of a candidate over the same tokens."""
+    if reference.shape != candidate.shape:
+        raise ValueError(f"logits {list(candidate.shape)} against fp32's {list(reference.shape)}")
+    ref, cand = reference.float(), candidate.float()
+    agree = (ref.argmax(-1) == cand.argmax(-1)).float().mean().item()
+    return Agreement(agree, (ref - cand).abs().max().item())
+
+
+def precision_contract_holds(mode: str, agreement: Agreement, contracts: dict | None = None) -> bool:
+    c = (contracts or CONTRACTS)[mode]
+    return (agreement.argmax_agreement >= c.min_argmax_agreement
+            and agreement.max_abs_logit_diff <= c.max_abs_logit_diff)
+
+
+# ---- the matmuls ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Gemm:
+    """How a mode stores a linear weight [out, in] (`pack`, once) and multiplies fp32 activations by it
+    (`linear`: fp32 in, fp32 out whatever the weight's storage)."""
+    mode: str
+    kernel: str  # onednn | blas (fp32), onednn-bf16 | blas-bf16, blas-fp16w
+    pack: object
+    linear: object
+
+
+def _onednn_pack(w):
+    return torch.ops.mkldnn._reorder_linear_weight(w, 32)
+
+
+def _onednn_linear(x, w):
+    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+
+def gemm_for(mode: str, device: torch.device, fp32_kernel: str) -> Gemm:
+    """`fp32_kernel`: what inference.model.choose_gemm picked for fp32 (onednn unless KVSERVE_CPU_GEMM=blas);
+    bf16 follows it: oneDNN's prepacked bf16 inner product (fastest measured here: bench/RESULTS.md) or else
+    plain F.linear in bf16."""
+    if mode == "fp32":
+        if fp32_kernel == "onednn":
+            return Gemm(mode, "onednn", _onednn_pack, _onednn_linear)
+        return Gemm(mode, "blas", lambda w: w, F.linear)
+    if mode == "bf16":
+        bf = torch.bfloat16
+        if device.type == "cpu" and fp32_kernel == "onednn":
+            return Gemm(mode, "onednn-bf16", lambda w: _onednn_pack(w.to(bf)),
+                        lambda x, w: _onednn_linear(x.to(bf), w).float())
+        return Gemm(mode, "blas-bf16", lambda w: w.to(bf), lambda x, w: F.linear(x.to(bf), w).float())
+    if mode == "fp16w":
+        return Gemm(mode, "blas-fp16w", lambda w: w.to(torch.float16), lambda x, w: F.linear(x, w.float()))
+    raise ValueError(f"precision {mode!r}: one of {MODES}")
+
+
+# ---- auto ----------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Choice:
+    mode: str
+    timings_ms: dict  # mode -> ms for one layer's projections + lm_head at 1 and 32 rows (median); None: out
+    why: str
+
+    def line(self) -> str:
+        shown = ", ".join(f"{m}={'out' if t is None else f'{t:.2f}ms'}" for m, t in self.timings_ms.items())
+        return f"precision {self.mode}" + (f" ({shown})" if shown else "") + f": {self.why}"
+
+
+def model_shapes(config) -> list[tuple[int, int]]:
+    """[out, in] of one layer's fused projections (qkv, o, gate_up, down) and of lm_head."""
+    c = config
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    return [(q + 2 * kv, c.hidden_size), (c.hidden_size, q), (2 * c.intermediate_size, c.hidden_size),
+            (c.hidden_size, c.intermediate_size), (c.vocab_size, c.hidden_size)]
+
+
+def _time_candidate(gemm: Gemm, pairs, repeats: int, give_up_ms: float = float("inf")) -> float:
+    """Median ms over `repeats` of all (activation, packed weight) products, after two warm-up passes (the
+    first JITs oneDNN's primitives). A candidate whose second warm-up pass is over `give_up_ms` is plainly
+    slower than one timed already: that pass stands as its time (bounds auto's cost)."""
+    def once():
+        t0 = time.perf_counter()
+        for x, w in pairs:
+            gemm.linear(x, w)
+        return (time.perf_counter() - t0) * 1e3
+    once()
+    second = once()
+    if second > give_up_ms:
+        return second
+    return statistics.median(once() for _ in range(repeats))
+
+
+def choose(shapes, device: torch.device, fp32_kernel: str, *, candidates=MODES, repeats: int = 5,
+           contracts: dict | None = None, gemms=None) -> Choice:
+    """Times each candidate on `shapes` at 1 and 32 rows; a candidate that raises, or whose matmul errs past its
+    contract's `max_kernel_rel_err` against fp32, is out. The fastest left wins; fp32 is always left (it is the
+    reference: if even it raises, that raises). `gemms`: mode -> Gemm (tests put a broken one here)."""
+    contracts = contracts or CONTRACTS
+    gen = torch.Generator().manual_seed(0)
+    weights = [(torch.randn(n, k, generator=gen) / k ** 0.5).to(device) for n, k in shapes]
+    inputs = {rows: [torch.randn(rows, k, generator=gen).to(device) for _, k in shapes] for rows in (1, 32)}
+    reference = {rows: [F.linear(x, w) for x, w in zip(inputs[rows], weights)] for rows in inputs}
+    timings, notes = {}, []
+    with torch.inference_mode():
+        for mode in candidates:
+            gemm = (gemms or {}).get(mode) or gemm_for(mode, device, fp32_kernel)
+            try:
+                packs = [gemm.pack(w) for w in weights]
+                err = max((gemm.linear(x, p) - ref).norm().item() / ref.norm().item()
+                          for rows in inputs for x, p, ref in zip(inputs[rows], packs, reference[rows]))
+                if not err <= contracts[mode].max_kernel_rel_err:  # NaN is out too
+                    raise ArithmeticError(f"matmul off by {err:.1e} relative (contract {contracts[mode].max_kernel_rel_err:g})")
+                done = [t for t in timings.values() if t is not None]
+                give_up = 3 * min(done) if done else float("inf")
+                total = _time_candidate(gemm, [(x, p) for rows in inputs for x, p in zip(inputs[rows], packs)], repeats,
+                                        give_up)
+                timings[mode] = total
+            except Exception as exc:  # an advertised ISA that is slow is timed; one that is broken is out
+                if mode == "fp32":
+                    raise
+                timings[mode] = None
+                notes.append(f"{mode} out: {type(exc).__name__}: {exc}")
+    timed = {m: t for m, t in timings.items() if t is not None}
+    best = min(timed, key=timed.get)
+    why = f"fastest of {sorted(timed)}" + (f" by {timed['fp32'] / timed[best]:.2f}x over fp32" if best != "fp32" else "")
+    return Choice(best, timings, "; ".join([why] + notes))
+
+
+@lru_cache(maxsize=8)
+def _auto_cached(shapes: tuple, device: str, fp32_kernel: str) -> Choice:
+    return choose(list(shapes), torch.device(device), fp32_kernel)
+
+
+def resolve_precision(requested: str, config, device: torch.device, dtype, fp32_kernel: str) -> Choice:
+    """The mode an engine runs for KVSERVE_PRECISION=`requested`; `auto` is timed once per process per model
+    shape and device (a worker's engines and its canary sandbox agree). Non-fp32 modes need an fp32 model."""
+    if requested not in SETTING_CHOICES:
+        raise ValueError(f"precision {requested!r}: one of {SETTING_CHOICES}")
+    if dtype != torch.float32:
+        if requested not in ("fp32", "auto"):
+            raise ValueError(f"precision {requested} needs KVSERVE_DTYPE=float32 (the model's dtype is {dtype})")
+        return Choice("fp32", {}, f"the model runs {dtype}: precision modes apply to fp32 models only")
+    if requested != "auto":
+        return Choice(requested, {}, "set by KVSERVE_PRECISION")
+    return _auto_cached(tuple(model_shapes(config)), str(device), fp32_kernel)
+
+
+def precision_fingerprint(model_fingerprint: str, mode: str) -> str:
+    """The model identity a handoff carries: fp32 is the file's own fingerprint (what the API reports and older
+    workers register); another mode adds itself, so a decode worker refuses KV a prefill in another precision
+    computed."""
+    return model_fingerprint if mode == "fp32" else f"{model_fingerprint}+{mode}"

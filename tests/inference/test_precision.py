@@ -1,0 +1,133 @@
+"""Each precision mode meets its accuracy contract against fp32 on the real model, the contract check really
+fails wrong maths, `auto` drops a candidate that raises or computes wrong, and the precision is part of the
+model identity a handoff and a registration carry."""
+import dataclasses
+
+import pytest
+import torch
+
+from inference.precision import (CONTRACTS, MODES, Agreement, Gemm, choose, compare_logits, gemm_for, model_shapes,
+                                 precision_contract_holds, precision_fingerprint, resolve_precision)
+from tests.inference.helpers import greedy, make_engine
+
+pytestmark = pytest.mark.timeout(900)
+
+PROMPTS = ["What is the capital of France?", "Write one sentence about the ocean.", "Name three colours.",
+           "Translate 'good morning' into Spanish.", "What is 12 times 7?", "Give me a haiku about rain.",
+           "Why is the sky blue?", "List two uses of a paperclip."]
+STEPS = 16
+
+
+def teacher_forced_logits(engine, ids: list[int]) -> torch.Tensor:
+    """Logits at every position of `ids`, run as one prefill chunk."""
+    seq = engine.add_request("tf", ids, greedy(1))
+    (chunk,) = engine.scheduler.schedule()
+    inp, pos, batch, _ = engine._prepare([chunk])
+    engine.block_manager.check_reads(seq, 0, len(ids))
+    logits = engine.model.logits(engine.model.forward(inp, pos, batch, engine.pool))
+    return logits
+
+
+@pytest.fixture(scope="module")
+def fp32_runs(real_model):
+    """Per prompt: prompt ids + fp32's greedy continuation, and fp32's teacher-forced logits predicting it."""
+    runs = []
+    for text in PROMPTS:
+        ids = real_model.tokenizer.encode_chat([{"role": "user", "content": text}])
+        (seq,) = make_engine(real_model).generate([ids], greedy(STEPS))
+        full = ids + seq.output_ids
+        logits = teacher_forced_logits(make_engine(real_model), full)[len(ids) - 1: -1]
+        runs.append((full, len(ids), logits))
+    return runs
+
+
+def agreement_of(real_model, fp32_runs, precision: str, **config) -> Agreement:
+    refs, cands = [], []
+    for full, n_prompt, ref in fp32_runs:
+        cand = teacher_forced_logits(make_engine(real_model, precision=precision, **config), full)[n_prompt - 1: -1]
+        refs.append(ref)
+        cands.append(cand)
+    got = compare_logits(torch.cat(refs), torch.cat(cands))
+    print(f"{precision}: argmax agreement {got.argmax_agreement:.4f}, max |logit diff| {got.max_abs_logit_diff:.3f}")
+    return got
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_each_mode_meets_its_contract_on_the_real_model(real_model, fp32_runs, mode):
+    got = agreement_of(real_model, fp32_runs, mode)
+    assert precision_contract_holds(mode, got), (mode, got, CONTRACTS[mode])
+
+
+def test_the_contract_fails_weights_cast_to_int8_naively(real_model, fp32_runs, monkeypatch):
+    """bf16's contract against a model whose linear weights went through a naive int8 cast (truncation to
+    integers: SmolLM2's weights are mostly |w| < 1, so most become 0)."""
+    import inference.model as model_module
+
+    real = gemm_for
+
+    def broken(mode, device, fp32_kernel):
+        g = real("bf16", device, fp32_kernel)
+        return dataclasses.replace(g, pack=lambda w: g.pack(w.to(torch.int8).to(w.dtype)))
+
+    monkeypatch.setattr(model_module, "gemm_for", broken)
+    real_model.built.clear()  # no fp32/bf16 Llama built before the patch is reused
+    try:
+        got = agreement_of(real_model, fp32_runs, "bf16")
+    finally:
+        real_model.built.clear()
+    assert not precision_contract_holds("bf16", got)
+
+
+def test_the_contract_check_fails_on_either_bound():
+    ok = Agreement(1.0, 0.0)
+    assert precision_contract_holds("bf16", ok)
+    c = CONTRACTS["bf16"]
+    assert not precision_contract_holds("bf16", Agreement(c.min_argmax_agreement - 0.01, 0.0))
+    assert not precision_contract_holds("bf16", Agreement(1.0, c.max_abs_logit_diff * 1.01))
+    assert not precision_contract_holds("fp32", Agreement(0.999, 0.0))
+
+
+def test_auto_drops_a_candidate_that_raises_or_computes_wrong(real_model):
+    shapes = model_shapes(real_model.config)[:2]  # keep it small: qkv and o
+    cpu = torch.device("cpu")
+
+    def boom(w):
+        raise RuntimeError("illegal instruction")
+
+    garbage = Gemm("bf16", "garbage", lambda w: w, lambda x, w: torch.zeros(x.shape[0], w.shape[0]))
+    raises = Gemm("fp16w", "raises", boom, None)
+    choice = choose(shapes, cpu, "onednn", gemms={"bf16": garbage, "fp16w": raises}, repeats=1)
+    assert choice.mode == "fp32"
+    assert choice.timings_ms["bf16"] is None and choice.timings_ms["fp16w"] is None
+    assert "bf16 out: ArithmeticError" in choice.why and "fp16w out: RuntimeError" in choice.why
+    assert "precision fp32" in choice.line() and "bf16=out" in choice.line()
+
+
+def test_auto_picks_a_timed_mode_whose_kernels_hold(real_model):
+    choice = choose(model_shapes(real_model.config), torch.device("cpu"), "onednn", repeats=1)
+    assert choice.mode in MODES and all(t is not None and t > 0 for t in choice.timings_ms.values())
+    assert choice.timings_ms[choice.mode] == min(choice.timings_ms.values())
+
+
+def test_fp32_is_the_default_everywhere(real_model):
+    engine = make_engine(real_model)
+    assert engine.precision == engine.model.precision == "fp32"
+    assert engine.fingerprint == real_model.fingerprint  # what the API reports and older workers register
+    assert engine.model.kernel in ("onednn", "blas")
+
+
+def test_the_precision_is_in_the_engines_fingerprint_and_attributes(real_model):
+    bf16 = make_engine(real_model, precision="bf16")
+    assert bf16.precision == bf16.model.precision == "bf16"
+    assert bf16.fingerprint == precision_fingerprint(real_model.fingerprint, "bf16") != real_model.fingerprint
+    assert bf16.pool.data.dtype == torch.float32  # the KV cache stays fp32 in every mode
+    fp16w = make_engine(real_model, precision="fp16w")
+    assert len({bf16.fingerprint, fp16w.fingerprint, make_engine(real_model).fingerprint}) == 3
+
+
+def test_a_non_fp32_mode_needs_an_fp32_model(real_model):
+    with pytest.raises(ValueError, match="float32"):
+        resolve_precision("bf16", real_model.config, torch.device("cpu"), torch.bfloat16, "blas")
+    assert resolve_precision("auto", real_model.config, torch.device("cpu"), torch.bfloat16, "blas").mode == "fp32"
+    with pytest.raises(ValueError, match="int8"):
+        resolve_precision("int8", real_model.config, torch.device("cpu"), torch.float32, "onednn")
