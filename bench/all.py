@@ -32,7 +32,7 @@ ROOT = HERE.parent
 RESULTS_JSONL = HERE / "results.jsonl"
 RESULTS_MD = HERE / "RESULTS.md"
 
-MODULES = ["engine", "profile", "guards", "grammar", "ondemand", "prefix", "transport", "load", "fairness", "chaos", "memory", "peer"]  # run in this order
+MODULES = ["engine", "profile", "attention", "guards", "grammar", "ondemand", "prefix", "transport", "load", "fairness", "chaos", "memory", "peer"]  # run in this order
 NEEDS_URL = {"load"}
 NEEDS_ROOT = {"chaos"}  # network namespaces
 # opt-in: runs only once its peer is installed (`python -m bench.peer --install-only`, ~20 min of compiling)

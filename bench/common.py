@@ -90,3 +90,15 @@ def chat_prompts(tokenizer, n: int, min_len: int, max_len: int, seed: int = 0) -
         prompts.append(ids)
     rng.shuffle(prompts)
     return prompts
+
+
+def cpu_flags(wanted=("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
+                      "avx512_vnni", "amx_tile")) -> list[str]:
+    """The SIMD flags of this CPU that matter to the kernels (from /proc/cpuinfo; [] where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return []
+    have = set(line.split(":", 1)[-1].split())
+    return [w for w in wanted if w in have]

@@ -4,6 +4,10 @@
 The build is keyed by a hash of the source, the torch version and the flags, so a stale library is
 never loaded. Without a built library the engine falls back to SDPA over gathered pages and says so
 loudly at engine start (see `inference.attention.select_backend`).
+
+One library holds an AVX-512, an AVX2 and a generic build of the loop, chosen at run time from the
+CPU (no -march flag, so the same .so runs anywhere); KVSERVE_ATTN_ISA=avx512|avx2|generic (read at
+load) or `set_isa()` forces one, refusing an ISA the CPU lacks.
 """
 import hashlib
 import logging
@@ -59,6 +63,7 @@ def load() -> bool:
         if not path.exists():
             raise FileNotFoundError(f"{path} is not built: run `make install` (or `python -m inference.native`)")
         torch.ops.load_library(str(path))
+        torch.ops.kvserve_paged.set_isa(os.environ.get("KVSERVE_ATTN_ISA", ""))  # a bad value fails the load
         _loaded["ok"] = True
     except Exception as exc:  # a missing or broken build is a fallback, never a crash
         _loaded["ok"], _loaded["error"] = False, f"{type(exc).__name__}: {exc}"
@@ -74,3 +79,17 @@ def paged_attention(out, q, pool, layer, tables, context_lens, query_start, quer
         raise RuntimeError(f"the paged-attention kernel is not available: {load_error()}")
     torch.ops.kvserve_paged.paged_attention(out, q, pool, layer, tables, context_lens, query_start, query_len, scale)
 
+
+
+def isa() -> str:
+    """The build of the loop that runs: avx512, avx2 or generic."""
+    if not _loaded.get("ok") and not load():
+        raise RuntimeError(f"the paged-attention kernel is not available: {load_error()}")
+    return torch.ops.kvserve_paged.isa()
+
+
+def set_isa(name: str = "") -> str:
+    """Forces avx512|avx2|generic ("" = the best this CPU runs); returns the one now in use."""
+    if not _loaded.get("ok") and not load():
+        raise RuntimeError(f"the paged-attention kernel is not available: {load_error()}")
+    return torch.ops.kvserve_paged.set_isa(name)

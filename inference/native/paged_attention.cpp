@@ -6,13 +6,21 @@
 // keys 0 .. context_lens[i] - query_len[i] + j (bottom-right aligned; a decode row sees them all).
 // Query head h reads KV head h / (H / KVH) (grouped-query attention; MHA when H == KVH).
 // One work item is (sequence, query): all its heads, so each page is read as one contiguous stream.
+//
+// Three builds of the loop live in one library, picked at run time (`__builtin_cpu_supports`, or
+// KVSERVE_ATTN_ISA=avx512|avx2|generic read at load, or the set_isa op): `avx512` (blocks of 16
+// tokens, online softmax, see attend_item_avx512), `avx2` and `generic` (the two-pass loop compiled
+// for x86-64-v3 and for the baseline). No -march flag is used, so the .so runs on any x86-64 CPU.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
+#include <string>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -20,10 +28,9 @@
 
 namespace {
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define KVS_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define KVS_CLONES
+#if defined(__x86_64__) && defined(__GNUC__)
+#define KVS_X86 1
+#include <immintrin.h>
 #endif
 
 #define KVS_INLINE inline __attribute__((always_inline))
@@ -136,7 +143,7 @@ struct Problem {
 };
 
 template <typename DimT>
-KVS_CLONES void run_items(const Problem& p, const std::vector<int64_t>& order, int64_t first, int64_t step) {
+KVS_INLINE void run_items_body(const Problem& p, const std::vector<int64_t>& order, int64_t first, int64_t step) {
   std::vector<float> scores;
   for (int64_t at = first; at < static_cast<int64_t>(order.size()); at += step) {
     const int64_t item = order[at];
@@ -148,13 +155,270 @@ KVS_CLONES void run_items(const Problem& p, const std::vector<int64_t>& order, i
   }
 }
 
+template <typename DimT>
+void run_items_generic(const Problem& p, const std::vector<int64_t>& order, int64_t first, int64_t step) {
+  run_items_body<DimT>(p, order, first, step);
+}
+
+#ifdef KVS_X86
+template <typename DimT>
+__attribute__((target("arch=x86-64-v3"))) void run_items_avx2(const Problem& p, const std::vector<int64_t>& order,
+                                                              int64_t first, int64_t step) {
+  run_items_body<DimT>(p, order, first, step);
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512dq,avx512vl,avx512bw,avx2,fma,bmi2")
+
+// e^x for x <= 0 on 16 lanes: the scalar exp_nonpositive's reduction and polynomial, 2^n by scalef.
+KVS_INLINE __m512 exp512_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(t, _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));
+  __m512 q = _mm512_set1_ps(1.0f / 5040.0f);
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 720.0f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 120.0f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 24.0f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 6.0f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(0.5f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f));
+  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(q, n);
+}
+
+// 16 vectors of partial sums (a[t]: token t's products, 16 lanes) -> one vector of their 16 sums:
+// a transpose-and-add tree (15 adds, 30 shuffles per 16 dot products, no per-product reduction).
+// The result's lanes come out in the order (4 * (t % 4) + t / 4); kFixLanes puts them back.
+KVS_INLINE __m512 reduce16(const __m512* a) {
+  __m512 r1[8], r2[4], r3[2];
+  for (int i = 0; i < 8; ++i) {
+    r1[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  for (int i = 0; i < 4; ++i) {
+    r2[i] = _mm512_add_ps(_mm512_shuffle_f32x4(r1[2 * i], r1[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm512_shuffle_f32x4(r1[2 * i], r1[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  for (int i = 0; i < 2; ++i) {
+    r3[i] = _mm512_add_ps(_mm512_shuffle_ps(r2[2 * i], r2[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm512_shuffle_ps(r2[2 * i], r2[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  const __m512 r4 = _mm512_add_ps(_mm512_shuffle_ps(r3[0], r3[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_ps(r3[0], r3[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return r4;
+}
+
+// One (sequence, query) item, keys in blocks of 16 tokens: for each query head, the 16 scores as one
+// vector (FMAs over head_dim per token, reduce16), an online-softmax update of the head's running
+// max / sum / output, then the block's V rows weighted in. State for all H heads stays in L1; the
+// block's rows (K and V of every kv head) are touched once, the next block's are prefetched.
+// NC = head_dim / 16 rounded up (the last chunk masked when head_dim is not a multiple of 16).
+template <int NC>
+KVS_INLINE void attend_item_avx512(const float* q, float* out, const float* pool, const int32_t* table, int64_t n,
+                                   int64_t H, int64_t KVH, int64_t D, int64_t page_stride, int64_t v_offset,
+                                   int64_t ps, float scale, const __m512i fix_lanes, std::vector<float>& state) {
+  const int64_t G = H / KVH, row_len = KVH * D;
+  const __mmask16 tail = static_cast<__mmask16>(D - 16 * (NC - 1) >= 16 ? 0xFFFF : (1u << (D - 16 * (NC - 1))) - 1);
+  state.resize(static_cast<size_t>(H) * (16 * NC + 2));
+  float* acc = state.data();            // [H, 16 * NC] running output (unnormalized)
+  float* mx = acc + H * 16 * NC;        // [H] running max
+  float* sm = mx + H;                   // [H] running sum
+  for (int64_t h = 0; h < H; ++h) {
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + h * 16 * NC + 16 * c, _mm512_setzero_ps());
+    mx[h] = -std::numeric_limits<float>::infinity();
+    sm[h] = 0.f;
+  }
+  const float* rows[16];
+  const float* next_rows[16];
+  int64_t cur_page = 0, cur_off = 0;  // the token rows in order, page by page (no division per row)
+  auto next_row = [&]() {
+    const float* r = pool + static_cast<int64_t>(table[cur_page]) * page_stride + cur_off * row_len;
+    if (++cur_off == ps) cur_off = 0, ++cur_page;
+    return r;
+  };
+  const int64_t row_bytes = row_len * static_cast<int64_t>(sizeof(float));
+  for (int t = 0, m0 = static_cast<int>(std::min<int64_t>(16, n)); t < m0; ++t) next_rows[t] = next_row();
+  for (int64_t t0 = 0; t0 < n; t0 += 16) {
+    const int m = static_cast<int>(std::min<int64_t>(16, n - t0));
+    for (int t = 0; t < m; ++t) rows[t] = next_rows[t];
+    for (int t = m; t < 16; ++t) rows[t] = rows[0];  // lanes past the end read a valid row, masked out below
+    const __mmask16 valid = static_cast<__mmask16>(m == 16 ? 0xFFFF : (1u << m) - 1);
+    // pages are scattered, so the hardware prefetcher cannot see the next block's rows: their lines
+    // (K and V) are prefetched a share per head below, spread over this block's work (a burst of them
+    // all at once filled the miss buffers and stalled the loads)
+    int mn = 0;
+    if (t0 + 16 < n) {
+      mn = static_cast<int>(std::min<int64_t>(16, n - t0 - 16));
+      for (int t = 0; t < mn; ++t) next_rows[t] = next_row();
+    }
+    const int64_t lines = 2 * mn * ((row_bytes + 63) / 64);
+    int64_t line = 0, pf_b = 0;
+    int pf_r = 0;
+    const char* pf_row = mn ? reinterpret_cast<const char*>(next_rows[0]) : nullptr;
+    for (int64_t kvh = 0; kvh < KVH; ++kvh) {
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = kvh * G + g;
+        for (const int64_t stop = lines * (h + 1) / H; line < stop; ++line) {
+          __builtin_prefetch(pf_row + pf_b);
+          if ((pf_b += 64) >= row_bytes) {  // next line: K row, then V row, then the next token's
+            pf_b = 0;
+            pf_row = ++pf_r >= 2 * mn ? pf_row
+                : reinterpret_cast<const char*>(next_rows[pf_r >> 1] + ((pf_r & 1) ? v_offset : 0));
+          }
+        }
+        __m512 qv[NC];
+        for (int c = 0; c < NC; ++c) {
+          const __mmask16 mk = c == NC - 1 ? tail : 0xFFFF;
+          qv[c] = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, q + h * D + 16 * c), _mm512_set1_ps(scale));
+        }
+        __m512 part[16];
+        for (int t = 0; t < 16; ++t) {
+          const float* k = rows[t] + kvh * D;
+          __m512 a = _mm512_mul_ps(qv[0], _mm512_maskz_loadu_ps(NC == 1 ? tail : 0xFFFF, k));
+          for (int c = 1; c < NC; ++c) {
+            const __mmask16 mk = c == NC - 1 ? tail : 0xFFFF;
+            a = _mm512_fmadd_ps(qv[c], _mm512_maskz_loadu_ps(mk, k + 16 * c), a);
+          }
+          part[t] = a;
+        }
+        const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid,
+                                            _mm512_permutexvar_ps(fix_lanes, reduce16(part)));
+        const float m_old = mx[h];
+        const float m_new = std::max(m_old, _mm512_reduce_max_ps(s));
+        const __m512 pv = _mm512_maskz_mov_ps(valid, exp512_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+        const float alpha = m_old == -std::numeric_limits<float>::infinity()
+            ? 0.f : _mm512_cvtss_f32(exp512_nonpositive(_mm512_set1_ps(m_old - m_new)));
+        mx[h] = m_new;
+        sm[h] = sm[h] * alpha + _mm512_reduce_add_ps(pv);
+        alignas(64) float pw[16];
+        _mm512_store_ps(pw, pv);
+        float* oh = acc + h * 16 * NC;
+        __m512 o[NC];
+        const __m512 av = _mm512_set1_ps(alpha);
+        for (int c = 0; c < NC; ++c) o[c] = _mm512_mul_ps(_mm512_loadu_ps(oh + 16 * c), av);
+        for (int t = 0; t < m; ++t) {
+          const __m512 w = _mm512_set1_ps(pw[t]);
+          const float* v = rows[t] + v_offset + kvh * D;
+          for (int c = 0; c < NC; ++c) {
+            const __mmask16 mk = c == NC - 1 ? tail : 0xFFFF;
+            o[c] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(mk, v + 16 * c), o[c]);
+          }
+        }
+        for (int c = 0; c < NC; ++c) _mm512_storeu_ps(oh + 16 * c, o[c]);
+      }
+    }
+  }
+  for (int64_t h = 0; h < H; ++h) {
+    const __m512 inv = _mm512_set1_ps(1.f / sm[h]);
+    for (int c = 0; c < NC; ++c) {
+      const __mmask16 mk = c == NC - 1 ? tail : 0xFFFF;
+      _mm512_mask_storeu_ps(out + h * D + 16 * c, mk, _mm512_mul_ps(_mm512_loadu_ps(acc + h * 16 * NC + 16 * c), inv));
+    }
+  }
+}
+
+template <int NC>
+void run_items_avx512(const Problem& p, const std::vector<int64_t>& order, int64_t first, int64_t step) {
+  std::vector<float> state;
+  // reduce16's lane l holds token 4 * (l % 4) + l / 4: gather them back into token order
+  alignas(64) int32_t idx[16];
+  for (int t = 0; t < 16; ++t) idx[t] = 4 * (t % 4) + t / 4;
+  const __m512i fix_lanes = _mm512_load_si512(idx);
+  for (int64_t at = first; at < static_cast<int64_t>(order.size()); at += step) {
+    const int64_t item = order[at];
+    const int64_t i = p.item_seq[item], j = p.item_first[item];
+    const int64_t n = p.context_lens[i] - p.query_len[i] + j + 1;
+    const int64_t row = p.query_start[i] + j;
+    attend_item_avx512<NC>(p.q + row * p.q_row_stride, p.out + row * p.out_row_stride, p.pool,
+                           p.tables + i * p.table_width, n, p.H, p.KVH, p.D, p.page_stride, p.v_offset, p.ps,
+                           p.scale, fix_lanes, state);
+  }
+}
+
+#pragma GCC pop_options
+#endif  // KVS_X86
+
+enum class Isa { generic = 0, avx2 = 1, avx512 = 2 };
+
+const char* isa_name(Isa isa) { return isa == Isa::avx512 ? "avx512" : isa == Isa::avx2 ? "avx2" : "generic"; }
+
+Isa best_isa() {
+#ifdef KVS_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("bmi2")) {
+    return Isa::avx512;
+  }
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("bmi2")) {
+    return Isa::avx2;
+  }
+#endif
+  return Isa::generic;
+}
+
+// "avx512" | "avx2" | "generic" | "" (best): refuses one this CPU cannot run
+Isa parse_isa(const std::string& want) {
+  const Isa best = best_isa();
+  if (want.empty() || want == "auto") return best;
+  Isa isa;
+  if (want == "avx512") isa = Isa::avx512;
+  else if (want == "avx2") isa = Isa::avx2;
+  else if (want == "generic") isa = Isa::generic;
+  else TORCH_CHECK(false, "KVSERVE_ATTN_ISA must be avx512, avx2, generic or auto, not '", want, "'");
+  TORCH_CHECK(static_cast<int>(isa) <= static_cast<int>(best), "this CPU cannot run the ", want,
+              " paged-attention kernel (best: ", isa_name(best), ")");
+  return isa;
+}
+
+std::atomic<int> g_isa{-1};
+
+Isa current_isa() {
+  int v = g_isa.load();
+  if (v < 0) {
+    const char* env = std::getenv("KVSERVE_ATTN_ISA");
+    v = static_cast<int>(parse_isa(env ? env : ""));
+    g_isa.store(v);
+  }
+  return static_cast<Isa>(v);
+}
+
+std::string set_isa(const std::string& want) {
+  g_isa.store(static_cast<int>(parse_isa(want)));
+  return isa_name(current_isa());
+}
+
+std::string get_isa() { return isa_name(current_isa()); }
+
+template <typename DimT>
+void run_items(const Problem& p, const std::vector<int64_t>& order, int64_t first, int64_t step, Isa isa) {
+#ifdef KVS_X86
+  if (isa == Isa::avx512) {
+    switch ((p.D + 15) / 16) {
+      case 1: return run_items_avx512<1>(p, order, first, step);
+      case 2: return run_items_avx512<2>(p, order, first, step);
+      case 3: return run_items_avx512<3>(p, order, first, step);
+      case 4: return run_items_avx512<4>(p, order, first, step);
+      case 5: return run_items_avx512<5>(p, order, first, step);
+      case 6: return run_items_avx512<6>(p, order, first, step);
+      case 7: return run_items_avx512<7>(p, order, first, step);
+      case 8: return run_items_avx512<8>(p, order, first, step);
+      default: break;  // head_dim > 128: the AVX2 loop
+    }
+  }
+  if (isa != Isa::generic) return run_items_avx2<DimT>(p, order, first, step);
+#endif
+  run_items_generic<DimT>(p, order, first, step);
+}
+
 // Work items longest first, dealt round-robin to the threads: a few long sequences do not leave
 // one thread working alone (a static split of contiguous items did).
 template <typename DimT>
 void run(const Problem& p, const std::vector<int64_t>& order) {
   const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), order.size()));
+  const Isa isa = current_isa();
   at::parallel_for(0, nt, 1, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) run_items<DimT>(p, order, t, nt);
+    for (int64_t t = b; t < e; ++t) run_items<DimT>(p, order, t, nt, isa);
   });
 }
 
@@ -218,6 +482,9 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
 TORCH_LIBRARY(kvserve_paged, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor pool, int layer, Tensor tables, Tensor context_lens, "
         "Tensor query_start, Tensor query_len, float scale) -> ()");
+  // which build of the loop runs (avx512|avx2|generic; set_isa("") picks the best this CPU has)
+  m.def("set_isa(str isa) -> str", &set_isa);
+  m.def("isa() -> str", &get_isa);
 }
 
 TORCH_LIBRARY_IMPL(kvserve_paged, CPU, m) { m.impl("paged_attention", &paged_attention); }

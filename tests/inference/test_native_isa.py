@@ -1,0 +1,99 @@
+"""Each build of the paged-attention kernel's loop (avx512, avx2, generic: `kvserve_paged::set_isa`,
+KVSERVE_ATTN_ISA at load) against the SDPA reference and against each other: ragged contexts, GQA and
+MHA, head dims with and without a 16-multiple, page boundaries, prefill chunks (q > 1) and decode rows."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from inference import native
+from inference.attention import BACKENDS, AttentionBatch
+from tests.inference.test_attention import random_case
+
+SHAPES = [(9, 3, 64), (4, 2, 16), (4, 4, 32), (8, 1, 128), (6, 2, 24), (9, 3, 80), (4, 2, 160)]
+
+
+def runnable_isas() -> list[str]:
+    best = native.set_isa("")
+    return ["generic", "avx2", "avx512"][: ["generic", "avx2", "avx512"].index(best) + 1]
+
+
+@pytest.fixture(autouse=True)
+def best_isa_after():
+    assert native.load(), f"the paged-attention kernel is not built ({native.load_error()}): run `make install`"
+    yield
+    native.set_isa("")
+
+
+def test_the_best_isa_of_this_cpu_is_the_default():
+    flags = open("/proc/cpuinfo").read().split()
+    expected = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags and "fma" in flags else "generic"
+    assert native.set_isa("") == expected == native.isa()
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("h,kvh,d", SHAPES)
+def test_every_isa_matches_sdpa_and_the_others(h, kvh, d, page_size):
+    pool, batch, q, k, v = random_case(h, kvh, d, page_size=page_size, seed=page_size + d, num_pages=400)
+    ref = BACKENDS["sdpa"](q, k, v, pool, 2, AttentionBatch(**{**batch.__dict__, "cache": {}}))
+    outs = {}
+    for isa in runnable_isas():
+        assert native.set_isa(isa) == isa
+        outs[isa] = BACKENDS["native"](q, k, v, pool, 2, batch)
+        assert torch.isfinite(outs[isa]).all()
+        torch.testing.assert_close(outs[isa], ref, rtol=1e-5, atol=2e-5)
+    for isa, out in outs.items():
+        torch.testing.assert_close(out, outs["generic"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("ctx", [1, 15, 16, 17, 31, 33, 300])
+def test_avx512_over_long_ragged_contexts_decode_and_chunks(ctx):
+    """Contexts on each side of a 16-token block, decode rows and a chunk continuing its prefix."""
+    from inference.attention import SeqBatch
+    from inference.kv_cache import PagePool, cdiv
+
+    if "avx512" not in runnable_isas():
+        pytest.skip("this CPU has no avx512f")
+    gen = torch.Generator().manual_seed(ctx)
+    ps, h, kvh, d = 16, 9, 3, 64
+    pool = PagePool(96, ps, 2, kvh, d)
+    pool.data.copy_(torch.randn(pool.data.shape, generator=gen))
+    chunk = min(ctx, 7)
+    lens, qlens = [ctx, ctx + 5, max(1, ctx - 3), ctx], [1, 1, 1, chunk]
+    perm = torch.randperm(96, generator=gen).tolist()
+    width = max(cdiv(n, ps) for n in lens)
+    tables, at = [], 0
+    for n in lens:
+        tables.append(perm[at: at + cdiv(n, ps)] + [pool.null_page] * (width - cdiv(n, ps)))
+        at += cdiv(n, ps)
+    starts = [0, 1, 2, 3]
+    rows = sum(qlens)
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    batch = AttentionBatch(torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long),
+                           paged=SeqBatch(i32(tables), i32(lens), i32(starts), i32(qlens), lens, starts, qlens),
+                           page_size=ps, null_page=pool.null_page)
+    q = torch.randn(rows, h, d, generator=gen)
+    k = v = torch.zeros(rows, kvh, d)
+    ref = BACKENDS["sdpa"](q, k, v, pool, 1, AttentionBatch(**{**batch.__dict__, "cache": {}}))
+    native.set_isa("avx512")
+    torch.testing.assert_close(BACKENDS["native"](q, k, v, pool, 1, batch), ref, rtol=1e-5, atol=2e-5)
+    native.set_isa("avx2")
+    torch.testing.assert_close(BACKENDS["native"](q, k, v, pool, 1, batch), ref, rtol=1e-5, atol=2e-5)
+
+
+def test_an_unknown_isa_is_refused():
+    with pytest.raises(RuntimeError, match="KVSERVE_ATTN_ISA must be"):
+        native.set_isa("sse9")
+
+
+def test_the_env_knob_is_read_at_load():
+    code = "from inference import native; assert native.load(), native.load_error(); print(native.isa())"
+    env = {**os.environ, "KVSERVE_ATTN_ISA": "generic", "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "generic"
+    env["KVSERVE_ATTN_ISA"] = "bogus"
+    code = "from inference import native; assert not native.load(); print(native.load_error())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert "KVSERVE_ATTN_ISA must be" in out.stdout
