@@ -11,17 +11,8 @@ import os
 import tempfile
 from pathlib import Path
 
-from bench.common import emit_json, log, median, print_table
+from bench.common import cpu_flags, emit_json, log, median, print_table
 from bench.peer import REDIS_URL, kvserve_stack, measure
-
-
-def cpu_flags() -> list[str]:
-    """The vector ISA flags of this CPU (/proc/cpuinfo), recorded beside the figures."""
-    try:
-        line = next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags"))
-    except (OSError, StopIteration):
-        return []
-    return sorted(f for f in line.split(":", 1)[1].split() if f.startswith(("avx", "amx", "fma", "f16c")))
 
 
 def run(mode: str, args, workdir: Path) -> dict:
