@@ -166,3 +166,8 @@ def thread_budget_setting(env: Mapping | None = None) -> str:
     """KVSERVE_THREAD_BUDGET: fixed (the default) or shared (workers on one host lend each other their cores;
     bench.cores measured it 0.14x of fixed with other load on the host, see bench/RESULTS.md)."""
     return env_choice("KVSERVE_THREAD_BUDGET", "fixed", ("shared", "fixed"), env)
+
+
+def attn_isa_setting(env: Mapping | None = None) -> str:
+    """KVSERVE_ATTN_ISA: which build of the paged-attention loop runs (auto: the best this CPU has)."""
+    return env_choice("KVSERVE_ATTN_ISA", "auto", ("auto", "avx512", "avx2", "generic"), env)

@@ -1,7 +1,7 @@
 """The start-up check of the engine's and runtime's settings (inference/settings.py reads them): every process
 runs it, the web from kvserve/settings/engine.py, so a malformed value stops it at start, named. No torch here."""
 from inference.faults import Faults
-from inference.settings import (engine_settings, port_setting, redis_url_setting, role_setting,
+from inference.settings import (attn_isa_setting, engine_settings, port_setting, redis_url_setting, role_setting,
                                 runtime_settings, thread_budget_setting)
 
 
@@ -14,4 +14,5 @@ def settings_validate() -> None:
     redis_url_setting()
     port_setting()
     thread_budget_setting()
+    attn_isa_setting()
     Faults.from_env()

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from inference.settings import attn_isa_setting
+
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
@@ -63,7 +65,7 @@ def load() -> bool:
         if not path.exists():
             raise FileNotFoundError(f"{path} is not built: run `make install` (or `python -m inference.native`)")
         torch.ops.load_library(str(path))
-        torch.ops.kvserve_paged.set_isa(os.environ.get("KVSERVE_ATTN_ISA", ""))  # a bad value fails the load
+        torch.ops.kvserve_paged.set_isa(attn_isa_setting())  # one this CPU lacks fails the load
         _loaded["ok"] = True
     except Exception as exc:  # a missing or broken build is a fallback, never a crash
         _loaded["ok"], _loaded["error"] = False, f"{type(exc).__name__}: {exc}"

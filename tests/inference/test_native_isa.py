@@ -96,4 +96,4 @@ def test_the_env_knob_is_read_at_load():
     env["KVSERVE_ATTN_ISA"] = "bogus"
     code = "from inference import native; assert not native.load(); print(native.load_error())"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert "KVSERVE_ATTN_ISA must be" in out.stdout
+    assert "KVSERVE_ATTN_ISA" in out.stdout and "avx512" in out.stdout  # the setting named, with its choices
