@@ -98,8 +98,8 @@ def sandbox_builds_model() -> None:
     from inference import engine
     from inference.model import Llama
 
-    engine.shared_model = lambda m, dtype, device, backend: Llama(m.config, m.weights, dtype=dtype, device=device,
-                                                                  attention_backend=backend)
+    engine.shared_model = lambda m, dtype, device, backend, precision="fp32": Llama(
+        m.config, m.weights, dtype=dtype, device=device, attention_backend=backend, precision=precision)
 
 
 def measure(num_pages: int, canary_runs: int, prompt_tokens: int, role: str = "prefill", share: bool = True,
