@@ -14,20 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from inference.attention import BACKENDS, AttentionBatch
-from inference.memory import bound_gemm_caches
 from inference.precision import gemm_for
 from inference.settings import env_choice
 
 log = logging.getLogger(__name__)
-bound_gemm_caches()  # before the first prepacked weight: a primitive per step shape otherwise stays for good
-
-
-def _blas_linear(x, w):
-    return F.linear(x, w)
-
-
-def _onednn_linear(x, w):
-    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
 
 def gemm_wanted() -> str:

@@ -9,7 +9,10 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from inference.memory import bound_gemm_caches
+
 log = logging.getLogger(__name__)
+bound_gemm_caches()  # before the first prepacked weight: a primitive per step shape otherwise stays for good
 
 MODES = ("fp32", "bf16", "fp16w")
 SETTING_CHOICES = ("auto",) + MODES  # KVSERVE_PRECISION (inference/settings.py)

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # 700 token counts, each a shape seen once; what glibc reports in use before and after
 SHAPES = """
 import ctypes, json, torch
-from inference.model import _onednn_linear
+from inference.precision import _onednn_linear
 
 class Info(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
