@@ -166,12 +166,13 @@ class Traffic:
         self.calls: list[Call] = []
         self.streamed: set[int] = set()
         self.counter = itertools.count()
+        self.min_until = time.time() + (args.min_seconds or 0)
 
     def next(self) -> tuple[Call, bool] | None:
         from incidents.canary.prompts import new_sentinel
 
         i = next(self.counter)
-        if i >= self.args.requests:
+        if i >= self.args.requests and time.time() >= self.min_until:
             return None
         rng = self.rng
         sentinel = new_sentinel()
@@ -348,6 +349,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=10_000)
     parser.add_argument("--seconds", type=float, default=None, help="stop sending after this long (default: no limit)")
+    parser.add_argument("--min-seconds", type=float, default=None,
+                        help="keep sending past --requests until this long has passed (so a fast CPU still sees the chaos)")
     parser.add_argument("--concurrency", type=int, default=16, help="clients sending back to back")
     parser.add_argument("--model", choices=("real", "tiny"), default="real",
                         help="real: the default SmolLM2; tiny: random weights in the same formats (throughput only)")

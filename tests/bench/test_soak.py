@@ -23,9 +23,10 @@ def test_vm_rss_is_read_from_proc_and_growth_is_relative_to_warm_up():
 @pytest.mark.timeout(600)
 def test_short_soak_meets_its_targets(tmp_path):
     # the tiny random-weight model: the soak measures serving, not text (bench.soak's default is the real model)
-    cmd = [sys.executable, "-m", "bench.soak", "--model", "tiny", "--requests", "150", "--seconds", "200",
+    cmd = [sys.executable, "-m", "bench.soak", "--model", "tiny", "--requests", "150", "--min-seconds", "10", "--seconds", "200",
            "--concurrency", "8", "--max-tokens", "4,8,16", "--kill-every-s", "3", "--canary-every-s", "8",
-           "--canary-checks", "live_probes,marker,integrity", "--bound-s", "150", "--workdir", str(tmp_path)]
+           "--canary-checks", "live_probes,marker,integrity", "--bound-s", "150", "--warmup", "15", "--workdir", str(tmp_path)]
+    # --min-seconds 10: a fast CPU answered 150 requests in 6 s, before the second kill (every 3 s)
     # bound 150 s: under kills every 3 s a request was seen to end (failed) 95 s after submission on a loaded
     # machine; it did end, but the stated bound is the README's, not this test's (see the issue 20 note)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -274,7 +274,7 @@ def test_a_saturated_decode_worker_is_judged_through_its_probe_lane_and_never_qu
 
     def sample():
         while not stop.wait(0.5):
-            samples.append(decoding(s))
+            samples.append((time.monotonic(), decoding(s)))
 
     with ThreadPoolExecutor(4) as pool:  # two decode, two wait in its queue (their KV within its transport TTL)
         streams = [pool.submit(stream_chat, s, f"Story {i}. " + "the sea is wide " * 68, 1000) for i in range(4)]
@@ -290,8 +290,12 @@ def test_a_saturated_decode_worker_is_judged_through_its_probe_lane_and_never_qu
         stop.set()
         sampler.join()
         results = [f.result() for f in streams]
-    # saturated throughout: both threads held a client stream (a handover between two streams aside)
-    assert samples and sum(n == 2 for n in samples) >= 0.8 * len(samples), samples
+    # saturated throughout: both threads held a client stream, but for the handover after a stream ended (its
+    # last delta within 3 s before the sample) while a queued one takes its thread; a fast CPU ends streams
+    # mid-probe, so a count of handovers is no measure, and an unexcused idle thread is
+    ends = [r["deltas"][-1] for r in results if r["deltas"]]
+    idle = [(round(t - began, 1), n) for t, n in samples if n < 2 and not any(0 <= t - e <= 3 for e in ends)]
+    assert samples and not idle and sum(n == 2 for _, n in samples) >= 0.5 * len(samples), (idle, samples)
     assert use >= 0.8
     assert rc == 0 and check["outcome"] == "passed", log
     (decode,) = [w for w in check["details"]["workers"].values() if w["role"] == "decode"]
