@@ -16,8 +16,8 @@ from inference.choices import ChoiceGroup, choice_id, choice_params, choice_scop
 from inference.faults import NO_FAULTS, Faults
 from inference.grammar import grammar_accept, grammar_attach, grammar_mask
 from inference.kv_cache import PagePool, cdiv, page_checksums
-from inference.loader import LoadedModel, load_model
-from inference.precision import precision_fingerprint, resolve_precision
+from inference.loader import LoadedModel, gguf_group_weights, gguf_has_group_weights, load_model
+from inference.precision import Choice, precision_fingerprint, resolve_precision
 from inference.model import Llama, choose_gemm
 from inference.prefix_cache import PrefixCache
 from inference.runner import StepBuilder
@@ -108,10 +108,19 @@ def shared_model(model: LoadedModel, dtype: torch.dtype, device: torch.device, a
     with _BUILD_LOCK:
         llama = model.built.get(key)
         if llama is None:
+            groups = gguf_group_weights(model.source) if precision == "int4w" else None
             llama = Llama(model.config, model.weights, dtype=dtype, device=device, attention_backend=attention_backend,
-                          precision=precision)
+                          precision=precision, groups=groups)
+            del groups  # the codes are packed into the Llama; the unpacked copy goes
             model.built[key] = llama
         return llama
+
+
+def engine_precision(model: LoadedModel, config: EngineConfig) -> Choice:
+    """The matmul precision an engine of `config` runs on `model` (`auto`: timed once per process)."""
+    dtype, device = getattr(torch, config.dtype), torch.device(config.device)
+    grouped = config.precision in ("int4w", "auto") and gguf_has_group_weights(model.source)
+    return resolve_precision(config.precision, model.config, device, dtype, choose_gemm(device, dtype), grouped)
 
 
 class Engine:
@@ -123,7 +132,7 @@ class Engine:
         dtype = getattr(torch, config.dtype)
         device = torch.device(config.device)
         self.attention_backend = config.attention or select_backend(device, dtype)
-        self.precision_choice = resolve_precision(config.precision, mc, device, dtype, choose_gemm(device, dtype))
+        self.precision_choice = engine_precision(model, config)
         self.precision = self.precision_choice.mode
         log.info("engine %s", self.precision_choice.line())
         self.model = shared_model(model, dtype, device, self.attention_backend, self.precision)

@@ -1,5 +1,5 @@
-"""Model loading: GGUF (dequantized once, cached as safetensors keyed by the file's hash) or a
-Hugging Face directory. Nothing is fetched from a model hub."""
+"""Model loading: GGUF (dequantized once, cached as safetensors keyed by the file's hash; its Q4_0 / Q4_1 blocks
+read again as 4-bit groups for precision int4w) or a Hugging Face directory. Nothing is fetched from a model hub."""
 import glob
 import hashlib
 import importlib.util
@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 
 from inference.memory import release_freed_memory
 from inference.model import ModelConfig
+from inference.precision import GROUP, GroupQuant
 from inference.settings import env_str, model_setting
 from inference.tokenizer import ChatTokenizer, bpe_from_gguf_vocab
 
@@ -162,6 +163,73 @@ def convert_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict
         add_bos=bool(_gguf_field(reader, "tokenizer.ggml.add_bos_token", False)),
     )
     return config, weights, tok_meta
+
+
+_GROUP_BLOCKS = {"Q4_0": 18, "Q4_1": 20}  # bytes per block of GROUP weights: fp16 d [, fp16 m], 16 bytes of nibbles
+
+
+def gguf_has_group_weights(path: str | os.PathLike) -> bool:
+    """Whether the file holds any projection as Q4_0 / Q4_1 blocks (the cache entry's index of its codes)."""
+    from safetensors import safe_open
+
+    codes = _group_cache_file(Path(path))
+    if codes is None:
+        return False
+    with safe_open(str(codes), "pt") as f:
+        return bool(list(f.keys()))
+
+
+def gguf_group_weights(path: str | os.PathLike) -> dict[str, GroupQuant]:
+    """The projection weights a GGUF holds as Q4_0 / Q4_1 blocks, as 4-bit codes with a scale and zero per block
+    (in HF naming, q/k rows un-permuted like the dequantized weights): the file's codes, not a requantization,
+    read once into the file's cache entry. Other tensors (F32, F16, Q8_0, ...) are not here; a HF directory
+    has none."""
+    codes = _group_cache_file(Path(path))
+    if codes is None:
+        return {}
+    flat = load_file(str(codes))
+    names = {k.rsplit(".", 1)[0] for k in flat}
+    return {n: GroupQuant(flat[n + ".q"], flat[n + ".scale"], flat[n + ".zero"]) for n in names}
+
+
+def _group_cache_file(path: Path) -> Path | None:
+    if path.is_dir():
+        return None
+    entry, _ = _gguf_cache_entry(path)
+    codes = entry / "groups.safetensors"
+    if not codes.exists():
+        flat = {f"{n}.{f}": getattr(g, f) for n, g in _parse_group_weights(path).items() for f in ("q", "scale", "zero")}
+        tmp = entry / f".groups-{os.getpid()}.tmp"
+        save_file(flat, str(tmp))
+        os.replace(tmp, codes)  # atomic: a racing process writes the same bytes
+    return codes
+
+
+def _parse_group_weights(path: Path) -> dict[str, GroupQuant]:
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    heads = {"attn_q": int(_gguf_field(reader, "llama.attention.head_count"))}
+    heads["attn_k"] = int(_gguf_field(reader, "llama.attention.head_count_kv", heads["attn_q"]))
+    out = {}
+    for t in reader.tensors:
+        kind, parts = t.tensor_type.name, t.name.split(".")
+        if kind not in _GROUP_BLOCKS or parts[0] != "blk" or parts[2] not in _GGUF_NAMES:
+            continue
+        k, n = (int(x) for x in t.shape)  # GGUF lists the inner (input) dimension first
+        blocks = np.asarray(t.data, dtype=np.uint8).reshape(n, k // GROUP, _GROUP_BLOCKS[kind])
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        nibbles = blocks[..., -16:]
+        q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(n, k)  # low nibbles first, then high
+        if kind == "Q4_1":  # w = d*q + m = d*(q - 8) + (m + 8d)
+            zero = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) + 8 * d
+        else:  # Q4_0: w = d*(q - 8)
+            zero = np.zeros_like(d)
+        if parts[2] in heads:
+            q, d, zero = (unpermute_qk(a, heads[parts[2]]) for a in (q, d, zero))
+        out[f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.weight"] = GroupQuant(
+            *(torch.from_numpy(np.ascontiguousarray(a)) for a in (q, d, zero)))
+    return out
 
 
 DEFAULT_TEMPLATE = (

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from inference.attention import BACKENDS, AttentionBatch
-from inference.precision import gemm_for
+from inference.precision import GroupQuant, gemm_for
 from inference.settings import env_choice
 
 log = logging.getLogger(__name__)
@@ -53,9 +53,10 @@ class ModelConfig:
 
 class Llama:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype=torch.float32,
-                 device="cpu", attention_backend: str = "sdpa", precision: str = "fp32"):
+                 device="cpu", attention_backend: str = "sdpa", precision: str = "fp32", groups=None):
         """`precision` (inference.precision): how the linear weights are stored and multiplied; embeddings,
-        norms, RoPE, the residual stream and the logits stay in `dtype` in every mode."""
+        norms, RoPE, the residual stream and the logits stay in `dtype` in every mode. `groups`: HF name ->
+        GroupQuant, the file's 4-bit blocks (inference.loader.gguf_group_weights), which int4w multiplies."""
         self.config = config
         self.attention_backend = attention_backend
         self._attend = BACKENDS[attention_backend]
@@ -67,11 +68,19 @@ class Llama:
         self.precision = precision
         gemm = gemm_for(precision, self.device, self.gemm)
         self.kernel = gemm.kernel
-        self._linear, pack = gemm.linear, gemm.pack
+        self._linear = gemm.linear
+        groups = groups or {}
         w = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items()}
+
+        def pack(*names):  # one weight, or several fused along their output rows
+            fused = torch.cat([w[n] for n in names]).contiguous() if len(names) > 1 else w[names[0]]
+            if gemm.pack_group and all(n in groups for n in names):
+                return gemm.pack_group(fused, GroupQuant.cat([groups[n] for n in names]))
+            return gemm.pack(fused)
+
         c = config
         self.embed = w["model.embed_tokens.weight"]
-        self.lm_head = pack(self.embed if c.tie_embeddings else w["lm_head.weight"])
+        self.lm_head = pack("model.embed_tokens.weight" if c.tie_embeddings else "lm_head.weight")
         self.norm = w["model.norm.weight"]
         self.layers = []
         for i in range(c.num_layers):
@@ -79,11 +88,11 @@ class Llama:
             self.layers.append(
                 dict(
                     attn_norm=w[p + "input_layernorm.weight"],
-                    qkv=pack(torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]).contiguous()),
-                    o=pack(w[p + "self_attn.o_proj.weight"]),
+                    qkv=pack(*(p + f"self_attn.{n}_proj.weight" for n in "qkv")),
+                    o=pack(p + "self_attn.o_proj.weight"),
                     mlp_norm=w[p + "post_attention_layernorm.weight"],
-                    gate_up=pack(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]).contiguous()),
-                    down=pack(w[p + "mlp.down_proj.weight"]),
+                    gate_up=pack(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                    down=pack(p + "mlp.down_proj.weight"),
                 )
             )
         inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))

@@ -1,5 +1,5 @@
-"""The matmul precision a Llama runs (fp32, bf16, fp16w), each mode's accuracy contract against fp32, and the
-`auto` choice: every candidate timed once at engine start on the model's own projection shapes."""
+"""The matmul precision a Llama runs (fp32, bf16, fp16w, int4w), each mode's accuracy contract against fp32, and
+the `auto` choice: every candidate timed once at engine start on the model's own projection shapes."""
 import logging
 import statistics
 import time
@@ -14,7 +14,8 @@ from inference.memory import bound_gemm_caches
 log = logging.getLogger(__name__)
 bound_gemm_caches()  # before the first prepacked weight: a primitive per step shape otherwise stays for good
 
-MODES = ("fp32", "bf16", "fp16w")
+MODES = ("fp32", "bf16", "fp16w", "int4w")
+GROUP = 32  # weights per scale in a GGUF Q4_0 / Q4_1 block, and int4w's group size
 SETTING_CHOICES = ("auto",) + MODES  # KVSERVE_PRECISION (inference/settings.py)
 
 
@@ -38,11 +39,14 @@ class Contract:
 # fail a wrong kernel (int8-cast weights: agreement ~0, logits off by tens). The kernel bound: one bf16 matmul
 # on random data errs ~3e-3 relative; 2e-2 is 6x that, while garbage is ~1. fp16w stores weights in fp16
 # (10-bit mantissa) and multiplies in fp32: ~8x tighter than bf16 (measured: max 0.04, agreement 0.992 - one
-# near-tie of 128), so its bounds are tighter (0.95 / 0.5).
+# near-tie of 128), so its bounds are tighter (0.95 / 0.5). int4w multiplies the file's own 4-bit codes (the
+# fp32 reference is those same codes dequantized), with bf16 activations and scales: bf16's error sources and
+# no more (measured: see test_precision), so bf16's bounds.
 CONTRACTS = {
     "fp32": Contract(min_argmax_agreement=1.0, max_abs_logit_diff=1e-3, max_kernel_rel_err=1e-5),
     "bf16": Contract(min_argmax_agreement=0.9, max_abs_logit_diff=3.0, max_kernel_rel_err=2e-2),
     "fp16w": Contract(min_argmax_agreement=0.95, max_abs_logit_diff=0.5, max_kernel_rel_err=3e-3),
+    "int4w": Contract(min_argmax_agreement=0.9, max_abs_logit_diff=3.0, max_kernel_rel_err=2e-2),
 }
 
 
@@ -72,11 +76,75 @@ def precision_contract_holds(mode: str, agreement: Agreement, contracts: dict | 
 @dataclass(frozen=True)
 class Gemm:
     """How a mode stores a linear weight [out, in] (`pack`, once) and multiplies fp32 activations by it
-    (`linear`: fp32 in, fp32 out whatever the weight's storage)."""
+    (`linear`: fp32 in, fp32 out whatever the weight's storage). `pack_group(w, quant)`, where a mode has it,
+    packs a weight the model file holds as group-wise codes (GroupQuant) from those codes."""
     mode: str
-    kernel: str  # onednn | blas (fp32), onednn-bf16 | blas-bf16, blas-fp16w
+    kernel: str  # onednn | blas (fp32), onednn-bf16 | blas-bf16, blas-fp16w, int4pack+onednn-bf16
     pack: object
     linear: object
+    pack_group: object = None
+
+
+@dataclass(frozen=True)
+class GroupQuant:
+    """A weight [N, K] as 4-bit codes in groups of GROUP along K: w = (q - 8) * scale + zero, the convention of
+    torch's int4pack kernels. A GGUF Q4_1 block (w = d*q + m) is scale d, zero m + 8d; Q4_0 (w = d*(q - 8)) is
+    scale d, zero 0 (inference.loader.gguf_group_weights)."""
+    q: torch.Tensor  # uint8 [N, K], 0..15
+    scale: torch.Tensor  # fp32 [N, K / GROUP]
+    zero: torch.Tensor  # fp32 [N, K / GROUP]
+
+    def dequantize(self) -> torch.Tensor:
+        expand = lambda t: t.repeat_interleave(GROUP, dim=1)  # noqa: E731
+        return (self.q.float() - 8) * expand(self.scale) + expand(self.zero)
+
+    @classmethod
+    def cat(cls, parts: list["GroupQuant"]) -> "GroupQuant":
+        """Stacked along N, as the fused qkv and gate_up weights are."""
+        return cls(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "zero")))
+
+
+def group_quantize(w: torch.Tensor) -> GroupQuant:
+    """Min/max 4-bit codes of an fp32 weight (Q4_1's rule): for auto's timing on random weights and for tests;
+    a served model's codes come from its file, never from here."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // GROUP, GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp_min(1e-12)
+    q = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8).reshape(n, k)
+    return GroupQuant(q, scale, lo + 8 * scale)
+
+
+@dataclass(frozen=True)
+class Int4Weight:
+    """int4w's packed weight: the codes for rows <= max_rows, bf16 oneDNN-packed for more (prefill, big batches)."""
+    codes: torch.Tensor  # torch's int4pack layout
+    scales_zeros: torch.Tensor  # bf16 [K / GROUP, N, 2]
+    dense: torch.Tensor
+    max_rows: int
+
+
+def _int4_weight(w: torch.Tensor, quant: GroupQuant, dense_pack, max_rows: int) -> Int4Weight:
+    if quant.q.shape != w.shape:
+        raise ValueError(f"codes {list(quant.q.shape)} for a weight {list(w.shape)}")
+    codes = torch.ops.aten._convert_weight_to_int4pack_for_cpu(quant.q.to(torch.int32).contiguous(), 2)
+    sz = torch.stack([quant.scale.t(), quant.zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+    return Int4Weight(codes, sz, dense_pack(w), max_rows)
+
+
+def _int4_pack(dense_pack):
+    return lambda w, quant: _int4_weight(w, quant, dense_pack, int4_max_rows())
+
+
+def _int4_linear(dense_linear):
+    def linear(x: torch.Tensor, w) -> torch.Tensor:
+        if isinstance(w, Int4Weight):
+            if x.shape[0] > w.max_rows:
+                return dense_linear(x, w.dense)
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), w.codes, GROUP,
+                                                              w.scales_zeros).float()
+        return dense_linear(x, w)  # a weight the file does not hold as 4-bit groups (the Q8_0 lm_head)
+    return linear
 
 
 def _onednn_pack(w):
@@ -103,7 +171,48 @@ def gemm_for(mode: str, device: torch.device, fp32_kernel: str) -> Gemm:
         return Gemm(mode, "blas-bf16", lambda w: w.to(bf), lambda x, w: F.linear(x.to(bf), w).float())
     if mode == "fp16w":
         return Gemm(mode, "blas-fp16w", lambda w: w.to(torch.float16), lambda x, w: F.linear(x, w.float()))
+    if mode == "int4w":
+        if device.type != "cpu":
+            raise ValueError("precision int4w runs on the CPU only (torch's int4pack CPU kernels); use bf16 on "
+                             f"{device.type}")
+        dense = gemm_for("bf16", device, fp32_kernel)
+        return Gemm(mode, f"int4pack+{dense.kernel}", dense.pack, _int4_linear(dense.linear), _int4_pack(dense.pack))
     raise ValueError(f"precision {mode!r}: one of {MODES}")
+
+
+@lru_cache(maxsize=1)
+def int4_max_rows() -> int:
+    """The most rows int4w multiplies with its 4-bit codes: KVSERVE_INT4_ROWS, or (auto) timed once per process
+    on a [1536, 576] product against bf16: the largest of 1, 2, 4, ... 64 up to which the codes stay faster
+    (one stream reads 4-bit weights; a batch's compute favours bf16)."""
+    from inference.settings import int4_rows_setting
+
+    pinned = int4_rows_setting()
+    if pinned is not None:
+        return pinned
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(1536, 576, generator=gen) / 24
+    dense = gemm_for("bf16", torch.device("cpu"), "onednn" if torch.backends.mkldnn.is_available() else "blas")
+    best, linear = 1, _int4_linear(dense.linear)
+    with torch.inference_mode():
+        int4 = _int4_weight(w, group_quantize(w), dense.pack, max_rows=1 << 30)
+        for rows in (1, 2, 4, 8, 16, 32, 64):
+            x = torch.randn(rows, 576, generator=gen)
+            if _median_ms(lambda: linear(x, int4)) >= _median_ms(lambda: dense.linear(x, int4.dense)):
+                break
+            best = rows
+    log.info("int4w: 4-bit codes up to %d rows, bf16 above (KVSERVE_INT4_ROWS pins it)", best)
+    return best
+
+
+def _median_ms(fn, repeats: int = 7) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
 
 
 # ---- auto ----------------------------------------------------------------------------------------------------
@@ -147,18 +256,25 @@ def choose(shapes, device: torch.device, fp32_kernel: str, *, candidates=MODES, 
            contracts: dict | None = None, gemms=None) -> Choice:
     """Times each candidate on `shapes` at 1 and 32 rows; a candidate that raises, or whose matmul errs past its
     contract's `max_kernel_rel_err` against fp32, is out. The fastest left wins; fp32 is always left (it is the
-    reference: if even it raises, that raises). `gemms`: mode -> Gemm (tests put a broken one here)."""
+    reference: if even it raises, that raises). A mode with `pack_group` (int4w) packs every weight but the
+    last (model_shapes' lm_head, which no file holds as 4-bit groups) from min/max codes of it, against the codes'
+    own fp32 product. `gemms`: mode -> Gemm (tests put a broken one here)."""
     contracts = contracts or CONTRACTS
     gen = torch.Generator().manual_seed(0)
     weights = [(torch.randn(n, k, generator=gen) / k ** 0.5).to(device) for n, k in shapes]
     inputs = {rows: [torch.randn(rows, k, generator=gen).to(device) for _, k in shapes] for rows in (1, 32)}
-    reference = {rows: [F.linear(x, w) for x, w in zip(inputs[rows], weights)] for rows in inputs}
     timings, notes = {}, []
     with torch.inference_mode():
         for mode in candidates:
             gemm = (gemms or {}).get(mode) or gemm_for(mode, device, fp32_kernel)
             try:
-                packs = [gemm.pack(w) for w in weights]
+                if gemm.pack_group:
+                    quants = [group_quantize(w) for w in weights[:-1]]
+                    used = [q.dequantize() for q in quants] + weights[-1:]
+                    packs = [gemm.pack_group(w, q) for w, q in zip(used, quants)] + [gemm.pack(weights[-1])]
+                else:
+                    used, packs = weights, [gemm.pack(w) for w in weights]
+                reference = {rows: [F.linear(x, w) for x, w in zip(inputs[rows], used)] for rows in inputs}
                 err = max((gemm.linear(x, p) - ref).norm().item() / ref.norm().item()
                           for rows in inputs for x, p, ref in zip(inputs[rows], packs, reference[rows]))
                 if not err <= contracts[mode].max_kernel_rel_err:  # NaN is out too
@@ -180,22 +296,45 @@ def choose(shapes, device: torch.device, fp32_kernel: str, *, candidates=MODES, 
 
 
 @lru_cache(maxsize=8)
-def _auto_cached(shapes: tuple, device: str, fp32_kernel: str) -> Choice:
-    return choose(list(shapes), torch.device(device), fp32_kernel)
+def _auto_cached(shapes: tuple, device: str, fp32_kernel: str, candidates: tuple) -> Choice:
+    return choose(list(shapes), torch.device(device), fp32_kernel, candidates=candidates)
 
 
-def resolve_precision(requested: str, config, device: torch.device, dtype, fp32_kernel: str) -> Choice:
+def resolve_precision(requested: str, config, device: torch.device, dtype, fp32_kernel: str,
+                      grouped: bool = False) -> Choice:
     """The mode an engine runs for KVSERVE_PRECISION=`requested`; `auto` is timed once per process per model
-    shape and device (a worker's engines and its canary sandbox agree). Non-fp32 modes need an fp32 model."""
+    shape and device (a worker's engines and its canary sandbox agree). Non-fp32 modes need an fp32 model;
+    int4w needs `grouped`: a model file holding its projections as 4-bit groups (inference.loader)."""
     if requested not in SETTING_CHOICES:
         raise ValueError(f"precision {requested!r}: one of {SETTING_CHOICES}")
     if dtype != torch.float32:
         if requested not in ("fp32", "auto"):
             raise ValueError(f"precision {requested} needs KVSERVE_DTYPE=float32 (the model's dtype is {dtype})")
         return Choice("fp32", {}, f"the model runs {dtype}: precision modes apply to fp32 models only")
+    if requested == "int4w" and not grouped:
+        raise ValueError("precision int4w multiplies the model file's own 4-bit blocks: use a GGUF whose projections "
+                         "are Q4_0 or Q4_1, or another precision")
     if requested != "auto":
         return Choice(requested, {}, "set by KVSERVE_PRECISION")
-    return _auto_cached(tuple(model_shapes(config)), str(device), fp32_kernel)
+    candidates = tuple(m for m in MODES if m != "int4w" or (grouped and device.type == "cpu"))
+    return _auto_cached(tuple(model_shapes(config)), str(device), fp32_kernel, candidates)
+
+
+def precision_scope(model_fingerprint: str, device: torch.device) -> str:
+    """What two processes' `auto` timings share when they share it: the model file, the device, torch's build,
+    the CPU's flags and the ISA caps of its kernels. Workers of one scope adopt one choice (inference.registry
+    `precision_agreed`), so a deployment's prefill and decode never disagree on a timing's noise."""
+    import hashlib
+    import os
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    caps = [os.environ.get(v, "") for v in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "KVSERVE_INT4_ROWS")]
+    parts = [model_fingerprint, device.type, torch.__version__, " ".join(sorted(flags.split())), *caps]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
 def precision_fingerprint(model_fingerprint: str, mode: str) -> str:

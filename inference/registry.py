@@ -123,6 +123,19 @@ class Registry:
         base = f"{self.prefix}:workers:{kind}"
         return base if worker_id is None else f"{base}:{worker_id}"
 
+    # --- the deployment's precision (KVSERVE_PRECISION=auto) -----------------------------
+
+    def precision_agreed(self, scope: str) -> str | None:
+        """The mode the first worker of `scope` (inference.precision.precision_scope) timed and proposed."""
+        return repeat(lambda: _text(self.redis.get(self.key("precision", scope))), "reading the agreed precision")
+
+    def precision_propose(self, scope: str, mode: str) -> str:
+        """`mode` for `scope` unless another worker proposed first: the agreed mode either way (no TTL: delete
+        {prefix}:workers:precision:<scope> to have the next worker time again)."""
+        key = self.key("precision", scope)
+        repeat(lambda: self.redis.set(key, mode, nx=True), "proposing a precision")
+        return repeat(lambda: _text(self.redis.get(key)), "reading the agreed precision")
+
     # --- a worker's own lifecycle -------------------------------------------------------
 
     def register(self, info: WorkerInfo) -> WorkerInfo:

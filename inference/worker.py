@@ -16,6 +16,7 @@ typed command. Every request the loop gives up on gets an error event and a `Req
 A loop that cannot go on (failures that persist, or no progress for `loop_stall_s`) is never advertised:
 the worker unregisters and exits with EXIT_LOOP_DEAD for its supervisor to restart it.
 """
+import dataclasses
 import logging
 import os
 import queue
@@ -33,7 +34,7 @@ import torch
 from inference.allocator import LedgerError, PoolLost
 from inference.cancel import Cancel, Cancellations
 from inference.choices import best_choices, choice_params, request_of
-from inference.engine import Engine, EngineConfig
+from inference.engine import Engine, EngineConfig, engine_precision
 from inference.events import ChoiceEnd, Delta, Done, Error, OutputEvent, Usage
 from inference.fair_queue import TenantQueues
 from inference.handoff import DecodeSide, Handoff, Verdict, handoff_accept
@@ -41,6 +42,7 @@ from inference.host_ledger import UNREACHABLE, HostLedger
 from inference.ledger import RedisLedger, check_eviction_policy
 from inference.loader import load_model, model_name
 from inference.metrics import WorkerMetrics
+from inference.precision import precision_scope
 from inference.prefill import Exported, prefill_export, prefill_handoff, prefill_refusal
 from inference.probes import PROBES
 from inference.registry import Registry, WorkerInfo, WorkerNotRegistered
@@ -239,6 +241,18 @@ class ProbeCommand:
     future: Future = field(default_factory=Future, compare=False)
 
 
+def precision_agree(registry: Registry, model, config: EngineConfig) -> str:
+    """KVSERVE_PRECISION=auto across a deployment: the mode the first worker of this model, device and CPU
+    (inference.precision.precision_scope) timed, so every prefill and decode worker of it runs one precision
+    and their handoffs match; this worker times only when none has yet."""
+    scope = precision_scope(model.fingerprint, torch.device(config.device))
+    agreed = registry.precision_agreed(scope)
+    if agreed is None:
+        agreed = registry.precision_propose(scope, engine_precision(model, config).mode)
+    log.info("precision auto: %s, the deployment's choice for scope %s", agreed, scope)
+    return agreed
+
+
 class WorkerRuntime:
     def __init__(self, role: str, redis, handoff_key: bytes, *, model=None, config: EngineConfig | None = None,
                  options: RuntimeOptions | None = None, node: str = "", on_violation=None, on_reclaim=None, on_lease_lost=None,
@@ -264,10 +278,12 @@ class WorkerRuntime:
                                                          prefix=opts.prefix, lease_ttl_s=opts.lease_ttl_s)))
             return hosts[0]
 
+        self.registry = Registry(redis, prefix=opts.prefix, ttl_s=opts.registry_ttl_s)
+        if config.precision == "auto":
+            config = dataclasses.replace(config, precision=precision_agree(self.registry, model, config))
         self.engine = Engine(model, config, allocator_factory=allocator)
         self._host: HostLedger = hosts[0]
         self.ledger: RedisLedger = self._host.ledger
-        self.registry = Registry(redis, prefix=opts.prefix, ttl_s=opts.registry_ttl_s)
         self.transport = RedisTransport(redis, opts.prefix, opts.transport_ttl_s)
         self.outputs = OutputStream(redis, opts.prefix)
         self.cancels = Cancellations(redis, opts.prefix)

@@ -106,3 +106,38 @@ def test_converting_the_gguf_leaves_no_dequantized_copy_in_the_heap(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     grown = json.loads(out.stdout.strip().splitlines()[-1])
     assert grown["RssAnon"] < 150 * 2**20, grown
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_a_gguf_s_4bit_blocks_are_read_as_its_own_codes(tmp_path, qtype):
+    """The codes, scales and zeros int4w multiplies dequantize to exactly the weights load_model dequantized
+    (gguf's own reader), q/k rows un-permuted alike; other quant types hold no groups."""
+    from inference.loader import gguf_group_weights, gguf_has_group_weights
+    from inference.tiny import tiny_weights, write_gguf
+
+    weights, c = tiny_weights()
+    path = write_gguf(tmp_path / f"tiny-{qtype}.gguf", weights, c, qtype)
+    loaded, groups = load_model(path), gguf_group_weights(path)
+    projections = [n for n in loaded.weights if n.startswith("model.layers.") and n.endswith("proj.weight")]
+    assert sorted(groups) == sorted(projections) and len(projections) == 7 * c["layers"]
+    for name in projections:
+        assert torch.equal(groups[name].dequantize(), loaded.weights[name]), name
+        assert groups[name].q.dtype == torch.uint8 and int(groups[name].q.max()) <= 15
+    assert gguf_has_group_weights(path)
+    assert gguf_group_weights(path).keys() == groups.keys()  # the second read is the cache entry's
+
+
+def test_only_4bit_block_files_have_groups(tiny_paths):
+    from inference.loader import gguf_group_weights, gguf_has_group_weights
+
+    for kind in ("gguf", "gguf_q8", "hf"):
+        assert not gguf_has_group_weights(tiny_paths[kind]) and gguf_group_weights(tiny_paths[kind]) == {}
+
+
+def test_the_real_model_s_projections_are_all_q4_1_codes(real_model):
+    from inference.loader import gguf_group_weights
+
+    groups = gguf_group_weights(real_model.source)
+    assert len(groups) == 7 * real_model.config.num_layers
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.29.mlp.down_proj.weight"):
+        assert torch.equal(groups[name].dequantize(), real_model.weights[name])

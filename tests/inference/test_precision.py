@@ -6,8 +6,9 @@ import dataclasses
 import pytest
 import torch
 
-from inference.precision import (CONTRACTS, MODES, Agreement, Gemm, choose, compare_logits, gemm_for, model_shapes,
-                                 precision_contract_holds, precision_fingerprint, resolve_precision)
+from inference.precision import (CONTRACTS, MODES, Agreement, Gemm, Int4Weight, choose, compare_logits, gemm_for,
+                                 group_quantize, int4_max_rows, model_shapes, precision_contract_holds,
+                                 precision_fingerprint, resolve_precision)
 from tests.inference.helpers import greedy, make_engine
 
 pytestmark = pytest.mark.timeout(900)
@@ -52,10 +53,80 @@ def agreement_of(real_model, fp32_runs, precision: str, **config) -> Agreement:
     return got
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.fixture
+def int4_codes_everywhere(real_model, monkeypatch):
+    """int4w's 4-bit codes at any row count (a teacher-forced chunk is many rows: bf16's path otherwise)."""
+    monkeypatch.setenv("KVSERVE_INT4_ROWS", "100000")
+    int4_max_rows.cache_clear()
+    real_model.built.clear()
+    yield
+    int4_max_rows.cache_clear()
+    real_model.built.clear()
+
+
+@pytest.mark.parametrize("mode", [m for m in MODES if m != "int4w"])
 def test_each_mode_meets_its_contract_on_the_real_model(real_model, fp32_runs, mode):
     got = agreement_of(real_model, fp32_runs, mode)
     assert precision_contract_holds(mode, got), (mode, got, CONTRACTS[mode])
+
+
+def test_int4w_meets_its_contract_through_the_files_codes(real_model, fp32_runs, int4_codes_everywhere):
+    engine = make_engine(real_model, precision="int4w")
+    assert isinstance(engine.model.layers[0]["gate_up"], Int4Weight) and engine.model.layers[0]["gate_up"].max_rows == 100000
+    got = agreement_of(real_model, fp32_runs, "int4w")
+    assert precision_contract_holds("int4w", got), (got, CONTRACTS["int4w"])
+
+
+def test_int4w_contract_fails_codes_read_with_their_nibbles_swapped(real_model, fp32_runs, int4_codes_everywhere,
+                                                                   monkeypatch):
+    """The contract against a loader that took a block's high nibbles for its first 16 weights."""
+    import inference.engine as engine_module
+    from inference.loader import gguf_group_weights
+
+    def swapped(path):
+        return {n: dataclasses.replace(g, q=g.q.view(g.q.shape[0], -1, 2, 16).flip(2).reshape(g.q.shape))
+                for n, g in gguf_group_weights(path).items()}
+
+    monkeypatch.setattr(engine_module, "gguf_group_weights", swapped)
+    got = agreement_of(real_model, fp32_runs, "int4w")
+    assert not precision_contract_holds("int4w", got)
+
+
+def test_int4w_multiplies_codes_up_to_its_rows_and_bf16_above(monkeypatch):
+    monkeypatch.setenv("KVSERVE_INT4_ROWS", "4")
+    int4_max_rows.cache_clear()
+    try:
+        gemm = gemm_for("int4w", torch.device("cpu"), "onednn")
+        gen = torch.Generator().manual_seed(0)
+        quant = group_quantize(torch.randn(96, 64, generator=gen))
+        w = quant.dequantize()
+        packed = gemm.pack_group(w, quant)
+        assert packed.max_rows == 4
+        bf16 = gemm_for("bf16", torch.device("cpu"), "onednn")
+        for rows, path in ((1, "codes"), (4, "codes"), (5, "bf16"), (32, "bf16")):
+            x = torch.randn(rows, 64, generator=gen)
+            codes = torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), packed.codes, 32, packed.scales_zeros).float()
+            dense = bf16.linear(x, packed.dense)
+            assert not torch.equal(codes, dense)
+            assert torch.equal(gemm.linear(x, packed), codes if path == "codes" else dense), (rows, path)
+            assert (gemm.linear(x, packed) - x @ w.T).norm() / (x @ w.T).norm() < CONTRACTS["int4w"].max_kernel_rel_err
+    finally:
+        int4_max_rows.cache_clear()
+
+
+def test_int4w_needs_a_file_of_4bit_blocks(real_model, tiny_model):
+    with pytest.raises(ValueError, match="Q4_0 or Q4_1"):
+        resolve_precision("int4w", real_model.config, torch.device("cpu"), torch.float32, "onednn", grouped=False)
+    with pytest.raises(ValueError, match="Q4_0 or Q4_1"):
+        make_engine(tiny_model, precision="int4w")  # the tiny F32 GGUF
+    assert make_engine(real_model, precision="int4w").fingerprint == precision_fingerprint(real_model.fingerprint, "int4w")
+
+
+def test_auto_times_int4w_only_for_a_file_of_4bit_blocks(real_model):
+    plain = resolve_precision("auto", real_model.config, torch.device("cpu"), torch.float32, "onednn", grouped=False)
+    assert "int4w" not in plain.timings_ms
+    grouped = resolve_precision("auto", real_model.config, torch.device("cpu"), torch.float32, "onednn", grouped=True)
+    assert grouped.timings_ms.get("int4w") is not None
 
 
 def test_the_contract_fails_weights_cast_to_int8_naively(real_model, fp32_runs, monkeypatch):

@@ -654,3 +654,23 @@ def test_verified_decodes_waiting_for_pages_join_the_tenant_holding_fewest_first
     finally:
         prefill.stop()
         decode.stop()
+
+
+def test_auto_precision_is_timed_once_per_deployment_and_adopted_by_every_worker(runtimes, redis_client, ledger_prefix,
+                                                                                 tiny_model):
+    """The first worker of a scope (model, device, CPU) times `auto` and proposes its mode; the others adopt it
+    without timing, so prefill and decode run one precision and their handoffs match."""
+    from inference.precision import precision_scope
+    from inference.registry import Registry
+
+    registry = Registry(redis_client, prefix=ledger_prefix)
+    scope = precision_scope(tiny_model.fingerprint, torch.device("cpu"))
+    assert registry.precision_agreed(scope) is None
+    prefill = runtimes("prefill", precision="auto")
+    assert registry.precision_agreed(scope) == prefill.engine.precision and prefill.engine.precision != "auto"
+    other = "fp16w" if prefill.engine.precision != "fp16w" else "bf16"
+    redis_client.set(registry.key("precision", scope), other)  # as if another host had proposed first
+    decode = runtimes("decode", precision="auto")
+    assert decode.engine.precision == other and decode.info().precision == other
+    assert registry.precision_propose(scope, "fp32") == other  # the first proposal stands
+    assert runtimes("decode", precision="fp32").engine.precision == "fp32"  # a pinned mode is the worker's own
