@@ -37,9 +37,9 @@ def _clean(value):
 
 
 def emit_json(data: dict) -> None:
-    """The module's result: one JSON line, printed last (strict JSON: NaN becomes null)."""
+    """The module's result: one JSON line, printed last (strict JSON: NaN becomes null), with the CPU's flags."""
     sys.stdout.flush()
-    print(json.dumps(_clean(data), sort_keys=True, allow_nan=False), flush=True)
+    print(json.dumps(_clean({"cpu_flags": cpu_flags(), **data}), sort_keys=True, allow_nan=False), flush=True)
 
 
 def fmt(value) -> str:

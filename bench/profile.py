@@ -1,13 +1,13 @@
-"""Where a 32-sequence decode step's time goes: torch profiler over decode steps of bench.engine's c32
-workload, each op's self time put in one of a few buckets, the rest of the step's wall time is host.
+"""Where a decode step's time goes: torch profiler over decode steps of bench.engine's c32 workload (or its
+first --seqs prompts), each op's self time put in one of a few buckets, the rest of the step's wall time is host.
 
-    python -m bench.profile [--steps 12] [--quick] [--threads N]
+    python -m bench.profile [--steps 12] [--quick] [--threads N] [--seqs 32] [--precision fp32]
 
 Workload: bench.engine's 32 mixed-length chat prompts (16..512 tokens), prefilled first; then the
 profiled decode steps (all 32 sequences decoding, max_tokens large enough that none finishes).
 Buckets (self CPU time of the ops on the engine thread, summed over the profiled steps):
 
-  matmul     aten::mm / addmm / linear / mkldnn::_linear_pointwise (the projections, the MLP, the logits)
+  matmul     aten::mm / addmm / linear / mkldnn::_linear_pointwise / int4pack (the projections, the MLP, the logits)
   attention  SDPA and the paged-attention kernel (kvserve_paged::*)
   gather     index_select / index (K/V page copies; 0 when attention reads pages in place)
   kv_write   index_put_ (this step's K/V into the pool)
@@ -24,7 +24,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.common import emit_json, log, print_table
+from bench.common import cpu_flags, emit_json, log, print_table
 from bench.engine import make_engine, workload
 from inference.loader import load_model
 from inference.sequence import SamplingParams, SeqStatus
@@ -36,7 +36,7 @@ def bucket_of(name: str) -> str:
     if name.startswith("kvserve_paged::") or "scaled_dot_product" in name or "flash_attention" in name:
         return "attention"
     if name in ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm", "aten::baddbmm",
-                "mkldnn::_linear_pointwise"):
+                "mkldnn::_linear_pointwise", "aten::_weight_int4pack_mm_for_cpu"):
         return "matmul"
     if name in ("aten::index_select", "aten::index"):
         return "gather"
@@ -90,19 +90,21 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--quick", action="store_true", help="8 short prompts, 3 steps")
     parser.add_argument("--threads", type=int, help="torch threads (default: all CPUs)")
+    parser.add_argument("--seqs", type=int, default=32, help="decode this many of the workload's prompts (1: one stream)")
+    parser.add_argument("--precision", default="fp32", help="the engine's matmul precision (inference.precision)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     model = load_model()
-    w = workload(model.tokenizer, args.quick)
+    prompts = workload(model.tokenizer, args.quick)["prompts"][:args.seqs]
     steps = 3 if args.quick else args.steps
-    engine = make_engine(model, w["prompts"], [3 * steps + 64] * len(w["prompts"]))
-    result = profile_steps(engine, w["prompts"], steps)
-    result.update(num_seqs=len(w["prompts"]), steps=steps, threads=torch.get_num_threads(), quick=args.quick,
-                  attention_backend=engine.attention_backend)
+    engine = make_engine(model, prompts, [3 * steps + 64] * len(prompts), args.precision)
+    result = profile_steps(engine, prompts, steps)
+    result.update(num_seqs=len(prompts), steps=steps, threads=torch.get_num_threads(), quick=args.quick,
+                  attention_backend=engine.attention_backend, precision=engine.precision, cpu_flags=cpu_flags())
     log("top ops (ms per step): " + ", ".join(f"{k} {v}" for k, v in result["top_ops_ms"].items()))
     print_table([dict(bucket=b, ms_per_step=result[f"ms_{b}"], fraction=result[f"fraction_{b}"]) for b in BUCKETS],
-                title=f"bench.profile: {len(w['prompts'])}-sequence decode step, {result['step_ms_profiled']:.0f} ms "
+                title=f"bench.profile: {len(prompts)}-sequence decode step, {result['step_ms_profiled']:.0f} ms "
                       f"profiled ({result['step_ms_median']:.0f} ms unprofiled median), {torch.get_num_threads()} threads")
     emit_json(result)
     return 0

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from inference import native
 from inference.attention import BACKENDS, AttentionBatch
 from inference.precision import GroupQuant, gemm_for
 from inference.settings import env_choice
@@ -69,6 +70,9 @@ class Llama:
         gemm = gemm_for(precision, self.device, self.gemm)
         self.kernel = gemm.kernel
         self._linear = gemm.linear
+        # RMSNorm in one native pass on the CPU, writing the matmul's input dtype (bf16 modes skip a cast)
+        self._fused_norm = self.device.type == "cpu" and dtype == torch.float32 and native.fused_available()
+        self._norm_bf16 = gemm.activations == torch.bfloat16
         groups = groups or {}
         w = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items()}
 
@@ -101,7 +105,9 @@ class Llama:
         self.cos = angles.cos().to(device=self.device, dtype=dtype)
         self.sin = angles.sin().to(device=self.device, dtype=dtype)
 
-    def _rms(self, x, weight):  # fused; same math as x * rsqrt(mean(x^2) + eps) * weight
+    def _rms(self, x, weight):  # same math as x * rsqrt(mean(x^2) + eps) * weight; feeds a matmul
+        if self._fused_norm and x.is_contiguous():
+            return native.rms_norm(x, weight, self.config.rms_eps, self._norm_bf16)
         return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_eps)
 
     def _rope(self, x, cos, sin):  # x: [T, heads, head_dim]; rotate-half form on un-permuted weights
@@ -115,6 +121,7 @@ class Llama:
         c = self.config
         num_q = c.num_heads * c.head_dim
         num_kv = c.num_kv_heads * c.head_dim
+        inter = c.intermediate_size
         x = F.embedding(input_ids, self.embed)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
@@ -129,8 +136,8 @@ class Llama:
             attn = self._attend(q, k, v, kv, layer_idx, batch)
             x = x + self._linear(attn.reshape(-1, num_q), layer["o"])
             h = self._rms(x, layer["mlp_norm"])
-            gate, up = self._linear(h, layer["gate_up"]).chunk(2, dim=-1)
-            x = x + self._linear(F.silu(gate) * up, layer["down"])
+            gate_up = self._linear(h, layer["gate_up"])  # slices, not chunk(): a third of its dispatch at one row
+            x = x + self._linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], layer["down"])
         return x
 
     @torch.inference_mode()

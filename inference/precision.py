@@ -83,6 +83,7 @@ class Gemm:
     pack: object
     linear: object
     pack_group: object = None
+    activations: torch.dtype = torch.float32  # what `linear` multiplies in: a norm may hand it that dtype already
 
 
 @dataclass(frozen=True)
@@ -167,8 +168,8 @@ def gemm_for(mode: str, device: torch.device, fp32_kernel: str) -> Gemm:
         bf = torch.bfloat16
         if device.type == "cpu" and fp32_kernel == "onednn":
             return Gemm(mode, "onednn-bf16", lambda w: _onednn_pack(w.to(bf)),
-                        lambda x, w: _onednn_linear(x.to(bf), w).float())
-        return Gemm(mode, "blas-bf16", lambda w: w.to(bf), lambda x, w: F.linear(x.to(bf), w).float())
+                        lambda x, w: _onednn_linear(x.to(bf), w).float(), activations=bf)
+        return Gemm(mode, "blas-bf16", lambda w: w.to(bf), lambda x, w: F.linear(x.to(bf), w).float(), activations=bf)
     if mode == "fp16w":
         return Gemm(mode, "blas-fp16w", lambda w: w.to(torch.float16), lambda x, w: F.linear(x, w.float()))
     if mode == "int4w":
@@ -176,7 +177,8 @@ def gemm_for(mode: str, device: torch.device, fp32_kernel: str) -> Gemm:
             raise ValueError("precision int4w runs on the CPU only (torch's int4pack CPU kernels); use bf16 on "
                              f"{device.type}")
         dense = gemm_for("bf16", device, fp32_kernel)
-        return Gemm(mode, f"int4pack+{dense.kernel}", dense.pack, _int4_linear(dense.linear), _int4_pack(dense.pack))
+        return Gemm(mode, f"int4pack+{dense.kernel}", dense.pack, _int4_linear(dense.linear), _int4_pack(dense.pack),
+                    activations=torch.bfloat16)
     raise ValueError(f"precision {mode!r}: one of {MODES}")
 
 
@@ -184,7 +186,7 @@ def gemm_for(mode: str, device: torch.device, fp32_kernel: str) -> Gemm:
 def int4_max_rows() -> int:
     """The most rows int4w multiplies with its 4-bit codes: KVSERVE_INT4_ROWS, or (auto) timed once per process
     on a [1536, 576] product against bf16: the largest of 1, 2, 4, ... 64 up to which the codes stay faster
-    (one stream reads 4-bit weights; a batch's compute favours bf16)."""
+    (one stream reads 4-bit weights; a batch's compute favours bf16), 0 where they are slower even at one row."""
     from inference.settings import int4_rows_setting
 
     pinned = int4_rows_setting()
@@ -193,7 +195,7 @@ def int4_max_rows() -> int:
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(1536, 576, generator=gen) / 24
     dense = gemm_for("bf16", torch.device("cpu"), "onednn" if torch.backends.mkldnn.is_available() else "blas")
-    best, linear = 1, _int4_linear(dense.linear)
+    best, linear = 0, _int4_linear(dense.linear)
     with torch.inference_mode():
         int4 = _int4_weight(w, group_quantize(w), dense.pack, max_rows=1 << 30)
         for rows in (1, 2, 4, 8, 16, 32, 64):

@@ -1,5 +1,6 @@
-"""The native CPU paged-attention kernel (paged_attention.cpp): built by `make install`
-(`python -m inference.native`) into inference/native/build/, loaded here as torch.ops.kvserve_paged.
+"""The native CPU kernels: paged attention (paged_attention.cpp) and the fused elementwise ops of a layer
+(fused.cpp: RMSNorm), built by `make install` (`python -m inference.native`) into
+inference/native/build/ as one library, loaded here as torch.ops.kvserve_paged.
 
 The build is keyed by a hash of the source, the torch version and the flags, so a stale library is
 never loaded. Without a built library the engine falls back to SDPA over gathered pages and says so
@@ -21,7 +22,7 @@ from inference.settings import attn_isa_setting
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
-SOURCE = HERE / "paged_attention.cpp"
+SOURCES = (HERE / "paged_attention.cpp", HERE / "fused.cpp")
 BUILD_DIR = HERE / "build"
 CFLAGS = ["-O3", "-fopenmp", "-fopenmp-simd", "-std=c++17"]
 LDFLAGS = ["-fopenmp"]
@@ -29,7 +30,7 @@ _loaded: dict[str, object] = {}
 
 
 def library_name() -> str:
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES))
     h.update(f"{torch.__version__} {' '.join(CFLAGS + LDFLAGS)}".encode())
     return f"kvserve_paged_{h.hexdigest()[:12]}"
 
@@ -51,7 +52,7 @@ def build(verbose: bool = False) -> Path:
     for stale in BUILD_DIR.glob("kvserve_paged_*.so"):
         if stale.name != library_path().name:
             stale.unlink()
-    cpp_extension.load(name=library_name(), sources=[str(SOURCE)], build_directory=str(BUILD_DIR),
+    cpp_extension.load(name=library_name(), sources=[str(src) for src in SOURCES], build_directory=str(BUILD_DIR),
                        extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), is_python_module=False, verbose=verbose)
     return library_path()
 
@@ -81,6 +82,16 @@ def paged_attention(out, q, pool, layer, tables, context_lens, query_start, quer
         raise RuntimeError(f"the paged-attention kernel is not available: {load_error()}")
     torch.ops.kvserve_paged.paged_attention(out, q, pool, layer, tables, context_lens, query_start, query_len, scale)
 
+
+
+def fused_available() -> bool:
+    """Whether the fused RMSNorm is there (the library built and loaded)."""
+    return _loaded.get("ok") or load()
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, to_bf16: bool) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * w over the last dim of a contiguous fp32 [rows, h], in fp32 or bf16."""
+    return torch.ops.kvserve_paged.rms_norm(x, w, eps, to_bf16)
 
 
 def isa() -> str:
