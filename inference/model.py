@@ -123,16 +123,21 @@ class Llama:
         num_kv = c.num_kv_heads * c.head_dim
         inter = c.intermediate_size
         x = F.embedding(input_ids, self.embed)
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        cos2, sin2 = self.cos[positions], self.sin[positions]  # [T, head_dim]
+        cos, sin = cos2.unsqueeze(1), sin2.unsqueeze(1)
+        fused_rope = self._fused_norm and kv.data.dtype == torch.float32 and kv.data.is_contiguous()
         for layer_idx, layer in enumerate(self.layers):
             h = self._rms(x, layer["attn_norm"])
             qkv = self._linear(h, layer["qkv"])
-            # q and k are adjacent in the fused projection: one RoPE call rotates both
-            qk = self._rope(qkv[:, : num_q + num_kv].view(-1, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
-            q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
             v = qkv[:, num_q + num_kv :].view(-1, c.num_kv_heads, c.head_dim)
-            kv.write(layer_idx, batch.slot_pages, batch.slot_offsets, k, v)
+            if fused_rope and qkv.is_contiguous():  # one native pass: RoPE on q|k, rotated k and v into the pool
+                qk = native.rope_store(qkv, cos2, sin2, kv.data, layer_idx, batch.slot_pages, batch.slot_offsets,
+                                       c.num_heads, c.num_kv_heads)
+                q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
+            else:  # q and k are adjacent in the fused projection: one RoPE call rotates both
+                qk = self._rope(qkv[:, : num_q + num_kv].view(-1, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
+                q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
+                kv.write(layer_idx, batch.slot_pages, batch.slot_offsets, k, v)
             attn = self._attend(q, k, v, kv, layer_idx, batch)
             x = x + self._linear(attn.reshape(-1, num_q), layer["o"])
             h = self._rms(x, layer["mlp_norm"])

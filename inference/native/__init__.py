@@ -1,5 +1,5 @@
 """The native CPU kernels: paged attention (paged_attention.cpp) and the fused elementwise ops of a layer
-(fused.cpp: RMSNorm), built by `make install` (`python -m inference.native`) into
+(fused.cpp: RMSNorm; RoPE with the K/V pool write), built by `make install` (`python -m inference.native`) into
 inference/native/build/ as one library, loaded here as torch.ops.kvserve_paged.
 
 The build is keyed by a hash of the source, the torch version and the flags, so a stale library is
@@ -85,13 +85,19 @@ def paged_attention(out, q, pool, layer, tables, context_lens, query_start, quer
 
 
 def fused_available() -> bool:
-    """Whether the fused RMSNorm is there (the library built and loaded)."""
+    """Whether the fused ops are there (the library built and loaded)."""
     return _loaded.get("ok") or load()
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, to_bf16: bool) -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) * w over the last dim of a contiguous fp32 [rows, h], in fp32 or bf16."""
     return torch.ops.kvserve_paged.rms_norm(x, w, eps, to_bf16)
+
+
+def rope_store(qkv, cos, sin, pool, layer: int, pages, offsets, heads: int, kv_heads: int) -> torch.Tensor:
+    """RoPE of a step's fused q|k|v [T, (heads + 2 kv_heads) * D] and its K/V written into the fp32 pool at
+    (pages, offsets); returns q|k rotated, [T, heads + kv_heads, D] (fused.cpp)."""
+    return torch.ops.kvserve_paged.rope_store(qkv, cos, sin, pool, layer, pages, offsets, heads, kv_heads)
 
 
 def isa() -> str:

@@ -40,3 +40,39 @@ def test_the_cpu_model_norms_natively_into_its_matmuls_dtype(tiny_model, real_mo
     assert torch.allclose(fp32._rms(x, w), F.rms_norm(x, (x.shape[-1],), w, fp32.config.rms_eps), atol=1e-5)
     bf16 = make_engine(real_model, precision="bf16").model
     assert bf16._norm_bf16 and bf16._rms(torch.randn(2, 576), bf16.norm).dtype == torch.bfloat16
+
+
+def test_rope_store_rotates_like_the_model_and_writes_the_pool_like_its_write(tiny_model):
+    from inference.kv_cache import PagePool
+    from inference.model import Llama
+
+    c = tiny_model.config
+    llama = Llama(c, tiny_model.weights)
+    heads, kvh, d = c.num_heads, c.num_kv_heads, c.head_dim
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(5, (heads + 2 * kvh) * d, generator=gen)
+    positions = torch.tensor([0, 1, 7, 30, 100])
+    pages, offsets = torch.tensor([3, 3, 0, 5, 2]), torch.tensor([0, 1, 7, 14, 4])
+    cos, sin = llama.cos[positions], llama.sin[positions]
+    ref_pool, pool = (PagePool(6, 16, c.num_layers, kvh, d) for _ in range(2))
+    ref_qk = llama._rope(qkv[:, : (heads + kvh) * d].view(5, heads + kvh, d), cos.unsqueeze(1), sin.unsqueeze(1))
+    v = qkv[:, (heads + kvh) * d:].view(5, kvh, d)
+    ref_pool.write(1, pages, offsets, ref_qk[:, heads:], v)
+    qk = native.rope_store(qkv, cos, sin, pool.data, 1, pages, offsets, heads, kvh)
+    assert torch.allclose(qk, ref_qk, atol=1e-6) and torch.allclose(pool.data, ref_pool.data, atol=1e-6)
+    assert pool.data[:, 0].abs().sum() == 0  # another layer untouched
+
+
+@pytest.mark.parametrize("page, offset", [(6, 0), (7, 0), (-1, 0), (0, 16)])
+def test_rope_store_refuses_a_slot_that_is_not_a_page_of_the_pool(tiny_model, page, offset):
+    """Row 6 of a 6-page pool is its null page (always zero); 7 and -1 are outside; offset 16 is past the page."""
+    from inference.kv_cache import PagePool
+
+    c = tiny_model.config
+    pool = PagePool(6, 16, c.num_layers, c.num_kv_heads, c.head_dim)
+    qkv = torch.randn(2, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim)
+    cos = sin = torch.ones(2, c.head_dim)
+    with pytest.raises(RuntimeError, match="not a page of the pool"):
+        native.rope_store(qkv, cos, sin, pool.data, 0, torch.tensor([1, page]), torch.tensor([0, offset]),
+                          c.num_heads, c.num_kv_heads)
+    assert pool.data.abs().sum() == 0  # refused before anything was written
