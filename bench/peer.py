@@ -189,6 +189,7 @@ def kvserve_stack(workdir: Path, redis_url: str):
     for key in TEST_OVERRIDES:
         if key not in os.environ:
             stack.env.pop(key, None)
+    stack.env.setdefault("KVSERVE_PRECISION", "auto")  # make run's default (scripts/run.py), unless set here
     return stack
 
 
@@ -222,6 +223,7 @@ def combine(kvserve: dict, peer: dict, args: argparse.Namespace) -> dict:
            "peer": PIN}
     for side, figures in (("kvserve", kvserve), ("peer", peer)):
         out.update({f"{side}_{k}": figures.get(k) for k in FIGURES})
+    out["kvserve_precision"] = kvserve.get("precision")
     out["ratio_tok_s"] = ratio(kvserve.get("tok_s"), peer.get("tok_s"))
     out["ratio_requests"] = ratio(kvserve.get("requests"), peer.get("requests"))
     for k in ("latency_p50_s", "latency_p99_s", "ttft_p50_s", "ttft_p99_s"):
@@ -263,7 +265,9 @@ def run_kvserve(args, workdir: Path) -> dict:
         stack.start()
         stack.wait_workers("prefill", 1, timeout_s=180)
         stack.wait_workers("decode", 1, timeout_s=180)
-        return measure(stack.url, stack.api_key, args.clients, args.seconds, args.max_tokens)
+        figures = measure(stack.url, stack.api_key, args.clients, args.seconds, args.max_tokens)
+        figures["precision"] = {w.role: w.precision for w in stack.registry().live_workers()}  # auto resolved
+        return figures
     finally:
         stack.close()
 

@@ -167,9 +167,9 @@ def test_auto_drops_a_candidate_that_raises_or_computes_wrong(real_model):
 
     garbage = Gemm("bf16", "garbage", lambda w: w, lambda x, w: torch.zeros(x.shape[0], w.shape[0]))
     raises = Gemm("fp16w", "raises", boom, None)
-    choice = choose(shapes, cpu, "onednn", gemms={"bf16": garbage, "fp16w": raises}, repeats=1)
+    choice = choose(shapes, cpu, "onednn", gemms={"bf16": garbage, "fp16w": raises, "int4w": raises}, repeats=1)
     assert choice.mode == "fp32"
-    assert choice.timings_ms["bf16"] is None and choice.timings_ms["fp16w"] is None
+    assert choice.timings_ms["bf16"] is None and choice.timings_ms["fp16w"] is None and choice.timings_ms["int4w"] is None
     assert "bf16 out: ArithmeticError" in choice.why and "fp16w out: RuntimeError" in choice.why
     assert "precision fp32" in choice.line() and "bf16=out" in choice.line()
 
