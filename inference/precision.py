@@ -222,7 +222,8 @@ def _median_ms(fn, repeats: int = 7) -> float:
 @dataclass(frozen=True)
 class Choice:
     mode: str
-    timings_ms: dict  # mode -> ms for one layer's projections + lm_head at 1 and 32 rows (median); None: out
+    timings_ms: dict  # mode -> ms for one layer's projections + lm_head at 1 and 32 rows, each regime weighed as
+    # fp32's share of the total (choose); None: out
     why: str
 
     def line(self) -> str:
@@ -256,7 +257,7 @@ def _time_candidate(gemm: Gemm, pairs, repeats: int, give_up_ms: float = float("
 
 def choose(shapes, device: torch.device, fp32_kernel: str, *, candidates=MODES, repeats: int = 5,
            contracts: dict | None = None, gemms=None) -> Choice:
-    """Times each candidate on `shapes` at 1 and 32 rows; a candidate that raises, or whose matmul errs past its
+    """Times each candidate on `shapes` at 1 and 32 rows, the two weighed alike; a candidate that raises, or whose matmul errs past its
     contract's `max_kernel_rel_err` against fp32, is out. The fastest left wins; fp32 is always left (it is the
     reference: if even it raises, that raises). A mode with `pack_group` (int4w) packs every weight but the
     last (model_shapes' lm_head, which no file holds as 4-bit groups) from min/max codes of it, against the codes'
@@ -265,7 +266,7 @@ def choose(shapes, device: torch.device, fp32_kernel: str, *, candidates=MODES, 
     gen = torch.Generator().manual_seed(0)
     weights = [(torch.randn(n, k, generator=gen) / k ** 0.5).to(device) for n, k in shapes]
     inputs = {rows: [torch.randn(rows, k, generator=gen).to(device) for _, k in shapes] for rows in (1, 32)}
-    timings, notes = {}, []
+    timings, notes, base_rows = {}, [], None
     with torch.inference_mode():
         for mode in candidates:
             gemm = (gemms or {}).get(mode) or gemm_for(mode, device, fp32_kernel)
@@ -281,11 +282,13 @@ def choose(shapes, device: torch.device, fp32_kernel: str, *, candidates=MODES, 
                           for rows in inputs for x, p, ref in zip(inputs[rows], packs, reference[rows]))
                 if not err <= contracts[mode].max_kernel_rel_err:  # NaN is out too
                     raise ArithmeticError(f"matmul off by {err:.1e} relative (contract {contracts[mode].max_kernel_rel_err:g})")
-                done = [t for t in timings.values() if t is not None]
-                give_up = 3 * min(done) if done else float("inf")
-                total = _time_candidate(gemm, [(x, p) for rows in inputs for x, p in zip(inputs[rows], packs)], repeats,
-                                        give_up)
-                timings[mode] = total
+                per_rows = {rows: _time_candidate(gemm, list(zip(inputs[rows], packs)), repeats,
+                                                  3 * base_rows[rows] if base_rows else float("inf"))
+                            for rows in inputs}
+                base_rows = base_rows or per_rows  # the first mode timed (fp32) is the yardstick
+                # one stream and a batch of 32 weigh alike: each regime's time as a share of fp32's, scaled back
+                # to fp32's total ms; a plain sum would let the 32-row products decide alone
+                timings[mode] = statistics.mean(per_rows[r] / base_rows[r] for r in inputs) * sum(base_rows.values())
             except Exception as exc:  # an advertised ISA that is slow is timed; one that is broken is out
                 if mode == "fp32":
                     raise
