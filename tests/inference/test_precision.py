@@ -177,7 +177,26 @@ def test_auto_drops_a_candidate_that_raises_or_computes_wrong(real_model):
 def test_auto_picks_a_timed_mode_whose_kernels_hold(real_model):
     choice = choose(model_shapes(real_model.config), torch.device("cpu"), "onednn", repeats=1)
     assert choice.mode in MODES and all(t is not None and t > 0 for t in choice.timings_ms.values())
-    assert choice.timings_ms[choice.mode] == min(choice.timings_ms.values())
+    fastest = min(choice.timings_ms, key=choice.timings_ms.get)
+    assert choice.mode == fastest or (choice.mode, fastest) == ("int4w", "bf16")
+
+
+def test_auto_takes_int4w_over_a_faster_timed_bf16(real_model, monkeypatch):
+    """int4w runs bf16's matmuls above its rows and codes measured faster at or below: bf16 beating it on the
+    start-up timing is noise on the shared lm_head (here: int4w slowed on purpose)."""
+    import time as time_module
+
+    monkeypatch.setenv("KVSERVE_INT4_ROWS", "4")
+    int4_max_rows.cache_clear()
+    try:
+        real = gemm_for("int4w", torch.device("cpu"), "onednn")
+        slowed = dataclasses.replace(real, linear=lambda x, w: (time_module.sleep(0.003), real.linear(x, w))[1])
+        choice = choose(model_shapes(real_model.config)[:2] + model_shapes(real_model.config)[-1:], torch.device("cpu"),
+                        "onednn", candidates=("fp32", "bf16", "int4w"), gemms={"int4w": slowed}, repeats=1)
+        assert choice.timings_ms["bf16"] < choice.timings_ms["int4w"]
+        assert choice.mode == "int4w" and "int4w over bf16" in choice.why
+    finally:
+        int4_max_rows.cache_clear()
 
 
 def test_fp32_is_the_default_everywhere(real_model):
