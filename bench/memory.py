@@ -55,10 +55,14 @@ def tensor_bytes(tensors) -> int:
 
 def packed_bytes(llama) -> int:
     """The model's own tensors that are not views of the loaded weights (fused and prepacked copies)."""
+    from inference.precision import Int4Weight  # here: bench.memory times torch's import step by step
+
     tied = not llama.lm_head.is_mkldnn and llama.lm_head.data_ptr() == llama.embed.data_ptr()
     own = [] if tied else [llama.lm_head]
     for layer in llama.layers:
         own += [layer["qkv"], layer["o"], layer["gate_up"], layer["down"]]
+    # int4w's weights hold their codes, scales and the bf16 copy for big batches
+    own = [t for w in own for t in ((w.codes, w.scales_zeros, w.dense) if isinstance(w, Int4Weight) else (w,))]
     return tensor_bytes(own) + tensor_bytes([llama.cos, llama.sin])
 
 
