@@ -7,8 +7,10 @@ Workload: bench.engine's 32 mixed-length chat prompts (16..512 tokens), prefille
 profiled decode steps (all 32 sequences decoding, max_tokens large enough that none finishes).
 Buckets (self CPU time of the ops on the engine thread, summed over the profiled steps):
 
-  matmul     aten::mm / addmm / linear / mkldnn::_linear_pointwise / int4pack (the projections, the MLP, the logits)
-  attention  SDPA and the paged-attention kernel (kvserve_paged::*)
+  matmul     aten::mm / addmm / linear / mkldnn::_linear_pointwise / int4pack / w4a8's kvserve_paged::w4a8_linear
+             and w8a8_linear (the projections, the MLP, the logits)
+  attention  SDPA and the paged-attention kernel (kvserve_paged::paged_attention; the fused norm and RoPE ops are
+             other_ops)
   gather     index_select / index (K/V page copies; 0 when attention reads pages in place)
   kv_write   index_put_ (this step's K/V into the pool)
   other_ops  every other aten op (RMSNorm, RoPE, SiLU, adds, embedding, sampling, tensor building)
@@ -33,10 +35,11 @@ BUCKETS = ("matmul", "attention", "gather", "kv_write", "other_ops", "host")
 
 
 def bucket_of(name: str) -> str:
-    if name.startswith("kvserve_paged::") or "scaled_dot_product" in name or "flash_attention" in name:
+    if name == "kvserve_paged::paged_attention" or "scaled_dot_product" in name or "flash_attention" in name:
         return "attention"
     if name in ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm", "aten::baddbmm",
-                "mkldnn::_linear_pointwise", "aten::_weight_int4pack_mm_for_cpu"):
+                "mkldnn::_linear_pointwise", "aten::_weight_int4pack_mm_for_cpu", "kvserve_paged::w4a8_linear",
+                "kvserve_paged::w8a8_linear"):
         return "matmul"
     if name in ("aten::index_select", "aten::index"):
         return "gather"

@@ -16,8 +16,8 @@ from inference.choices import ChoiceGroup, choice_id, choice_params, choice_scop
 from inference.faults import NO_FAULTS, Faults
 from inference.grammar import grammar_accept, grammar_attach, grammar_mask
 from inference.kv_cache import PagePool, cdiv, page_checksums
-from inference.loader import LoadedModel, gguf_group_weights, gguf_has_group_weights, load_model
-from inference.precision import Choice, precision_fingerprint, resolve_precision
+from inference.loader import LoadedModel, gguf_group8_weights, gguf_group_weights, gguf_has_group_weights, load_model
+from inference.precision import GROUPED, Choice, precision_fingerprint, resolve_precision
 from inference.model import Llama, choose_gemm
 from inference.prefix_cache import PrefixCache
 from inference.runner import StepBuilder
@@ -108,7 +108,9 @@ def shared_model(model: LoadedModel, dtype: torch.dtype, device: torch.device, a
     with _BUILD_LOCK:
         llama = model.built.get(key)
         if llama is None:
-            groups = gguf_group_weights(model.source) if precision == "int4w" else None
+            groups = gguf_group_weights(model.source) if precision in GROUPED else None
+            if precision == "w4a8":  # and the file's Q8_0 blocks (the default model's lm_head)
+                groups.update(gguf_group8_weights(model.source))
             llama = Llama(model.config, model.weights, dtype=dtype, device=device, attention_backend=attention_backend,
                           precision=precision, groups=groups)
             del groups  # the codes are packed into the Llama; the unpacked copy goes
@@ -119,7 +121,7 @@ def shared_model(model: LoadedModel, dtype: torch.dtype, device: torch.device, a
 def engine_precision(model: LoadedModel, config: EngineConfig) -> Choice:
     """The matmul precision an engine of `config` runs on `model` (`auto`: timed once per process)."""
     dtype, device = getattr(torch, config.dtype), torch.device(config.device)
-    grouped = config.precision in ("int4w", "auto") and gguf_has_group_weights(model.source)
+    grouped = config.precision in GROUPED + ("auto",) and gguf_has_group_weights(model.source)
     return resolve_precision(config.precision, model.config, device, dtype, choose_gemm(device, dtype), grouped)
 
 

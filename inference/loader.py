@@ -10,6 +10,7 @@ import shutil
 import tempfile
 import time
 import weakref
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from tokenizers import Tokenizer
 
 from inference.memory import release_freed_memory
 from inference.model import ModelConfig
-from inference.precision import GROUP, GroupQuant
+from inference.precision import GROUP, Group8Quant, GroupQuant
 from inference.settings import env_str, model_setting
 from inference.tokenizer import ChatTokenizer, bpe_from_gguf_vocab
 
@@ -192,43 +193,80 @@ def gguf_group_weights(path: str | os.PathLike) -> dict[str, GroupQuant]:
     return {n: GroupQuant(flat[n + ".q"], flat[n + ".scale"], flat[n + ".zero"]) for n in names}
 
 
-def _group_cache_file(path: Path) -> Path | None:
+def gguf_group8_weights(path: str | os.PathLike) -> dict[str, Group8Quant]:
+    """The weights a GGUF holds as Q8_0 blocks (the default model's tied token_embd, which is its lm_head; any
+    Q8_0 projection), as int8 codes with a scale per 32, in HF naming: the file's codes, read once into the
+    file's cache entry. w4a8 multiplies them; a HF directory has none."""
+    codes = _group_cache_file(Path(path), "groups8.safetensors", _parse_group8_weights)
+    if codes is None:
+        return {}
+    flat = load_file(str(codes))
+    names = {k.rsplit(".", 1)[0] for k in flat}
+    return {n: Group8Quant(flat[n + ".q"], flat[n + ".scale"]) for n in names}
+
+
+def _group_cache_file(path: Path, name: str = "groups.safetensors", parse=None) -> Path | None:
     if path.is_dir():
         return None
     entry, _ = _gguf_cache_entry(path)
-    codes = entry / "groups.safetensors"
+    codes = entry / name
     if not codes.exists():
-        flat = {f"{n}.{f}": getattr(g, f) for n, g in _parse_group_weights(path).items() for f in ("q", "scale", "zero")}
-        tmp = entry / f".groups-{os.getpid()}.tmp"
+        parsed = (parse or _parse_group_weights)(path)
+        flat = {f"{n}.{f.name}": getattr(g, f.name) for n, g in parsed.items() for f in dataclasses.fields(g)}
+        tmp = entry / f".{name}-{os.getpid()}.tmp"
         save_file(flat, str(tmp))
         os.replace(tmp, codes)  # atomic: a racing process writes the same bytes
     return codes
 
 
-def _parse_group_weights(path: Path) -> dict[str, GroupQuant]:
+def _gguf_blocks(path: Path, kinds: dict[str, int]):
+    """(HF name, codes' block array [N, K / GROUP, bytes], q/k heads to un-permute or None) of each tensor of
+    `kinds` (GGUF type -> bytes per block) the Llama uses as a linear weight."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
     heads = {"attn_q": int(_gguf_field(reader, "llama.attention.head_count"))}
     heads["attn_k"] = int(_gguf_field(reader, "llama.attention.head_count_kv", heads["attn_q"]))
-    out = {}
     for t in reader.tensors:
         kind, parts = t.tensor_type.name, t.name.split(".")
-        if kind not in _GROUP_BLOCKS or parts[0] != "blk" or parts[2] not in _GGUF_NAMES:
+        if kind not in kinds:
+            continue
+        if parts[0] == "blk" and parts[2] in _GGUF_NAMES:
+            name, qk_heads = f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.weight", heads.get(parts[2])
+        elif t.name in ("token_embd.weight", "output.weight"):
+            name, qk_heads = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight"}[t.name], None
+        else:
             continue
         k, n = (int(x) for x in t.shape)  # GGUF lists the inner (input) dimension first
-        blocks = np.asarray(t.data, dtype=np.uint8).reshape(n, k // GROUP, _GROUP_BLOCKS[kind])
+        yield name, np.asarray(t.data, dtype=np.uint8).reshape(n, k // GROUP, kinds[kind]), qk_heads
+
+
+def _parse_group8_weights(path: Path) -> dict[str, Group8Quant]:
+    out = {}
+    for name, blocks, qk_heads in _gguf_blocks(path, {"Q8_0": 34}):  # fp16 d, 32 int8 codes
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        q = blocks[..., 2:].copy().view(np.int8).reshape(blocks.shape[0], -1)
+        if qk_heads:
+            q, d = unpermute_qk(q, qk_heads), unpermute_qk(d, qk_heads)
+        out[name] = Group8Quant(*(torch.from_numpy(np.ascontiguousarray(a)) for a in (q, d)))
+    return out
+
+
+def _parse_group_weights(path: Path) -> dict[str, GroupQuant]:
+    out = {}
+    for name, blocks, qk_heads in _gguf_blocks(path, _GROUP_BLOCKS):
+        if not name.startswith("model.layers."):
+            continue  # a 4-bit embedding is gathered, not multiplied, and no file here ties a 4-bit lm_head
         d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
         nibbles = blocks[..., -16:]
-        q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(n, k)  # low nibbles first, then high
-        if kind == "Q4_1":  # w = d*q + m = d*(q - 8) + (m + 8d)
+        q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(blocks.shape[0], -1)  # low nibbles first
+        if blocks.shape[-1] == _GROUP_BLOCKS["Q4_1"]:  # w = d*q + m = d*(q - 8) + (m + 8d)
             zero = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) + 8 * d
         else:  # Q4_0: w = d*(q - 8)
             zero = np.zeros_like(d)
-        if parts[2] in heads:
-            q, d, zero = (unpermute_qk(a, heads[parts[2]]) for a in (q, d, zero))
-        out[f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.weight"] = GroupQuant(
-            *(torch.from_numpy(np.ascontiguousarray(a)) for a in (q, d, zero)))
+        if qk_heads:
+            q, d, zero = (unpermute_qk(a, qk_heads) for a in (q, d, zero))
+        out[name] = GroupQuant(*(torch.from_numpy(np.ascontiguousarray(a)) for a in (q, d, zero)))
     return out
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from inference import native
 from inference.attention import BACKENDS, AttentionBatch
-from inference.precision import GroupQuant, gemm_for
+from inference.precision import gemm_for
 from inference.settings import env_choice
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,8 @@ class Llama:
                  device="cpu", attention_backend: str = "sdpa", precision: str = "fp32", groups=None):
         """`precision` (inference.precision): how the linear weights are stored and multiplied; embeddings,
         norms, RoPE, the residual stream and the logits stay in `dtype` in every mode. `groups`: HF name ->
-        GroupQuant, the file's 4-bit blocks (inference.loader.gguf_group_weights), which int4w multiplies."""
+        GroupQuant, the file's 4-bit blocks (inference.loader.gguf_group_weights), which int4w and w4a8 multiply,
+        or Group8Quant, its Q8_0 blocks (gguf_group8_weights: w4a8's lm_head)."""
         self.config = config
         self.attention_backend = attention_backend
         self._attend = BACKENDS[attention_backend]
@@ -78,8 +79,9 @@ class Llama:
 
         def pack(*names):  # one weight, or several fused along their output rows
             fused = torch.cat([w[n] for n in names]).contiguous() if len(names) > 1 else w[names[0]]
-            if gemm.pack_group and all(n in groups for n in names):
-                return gemm.pack_group(fused, GroupQuant.cat([groups[n] for n in names]))
+            parts = [groups[n] for n in names if n in groups]
+            if gemm.pack_group and len(parts) == len(names) and len({type(p) for p in parts}) == 1:
+                return gemm.pack_group(fused, type(parts[0]).cat(parts))
             return gemm.pack(fused)
 
         c = config

@@ -1,4 +1,4 @@
-"""The matmul precision a Llama runs (fp32, bf16, fp16w, int4w), each mode's accuracy contract against fp32, and
+"""The matmul precision a Llama runs (fp32, bf16, fp16w, int4w, w4a8), each mode's accuracy contract against fp32, and
 the `auto` choice: every candidate timed once at engine start on the model's own projection shapes."""
 import logging
 import statistics
@@ -14,8 +14,9 @@ from inference.memory import bound_gemm_caches
 log = logging.getLogger(__name__)
 bound_gemm_caches()  # before the first prepacked weight: a primitive per step shape otherwise stays for good
 
-MODES = ("fp32", "bf16", "fp16w", "int4w")
-GROUP = 32  # weights per scale in a GGUF Q4_0 / Q4_1 block, and int4w's group size
+MODES = ("fp32", "bf16", "fp16w", "int4w", "w4a8")
+GROUPED = ("int4w", "w4a8")  # modes that multiply the model file's own blocks (a GGUF with Q4_0 / Q4_1 projections)
+GROUP = 32  # weights per scale in a GGUF Q4_0 / Q4_1 / Q8_0 block, and the coded modes' group size
 SETTING_CHOICES = ("auto",) + MODES  # KVSERVE_PRECISION (inference/settings.py)
 
 
@@ -41,12 +42,17 @@ class Contract:
 # (10-bit mantissa) and multiplies in fp32: ~8x tighter than bf16 (measured: max 0.04, agreement 0.992 - one
 # near-tie of 128), so its bounds are tighter (0.95 / 0.5). int4w multiplies the file's own 4-bit codes (the
 # fp32 reference is those same codes dequantized), with bf16 activations and scales: bf16's error sources and
-# no more (measured: see test_precision), so bf16's bounds.
+# no more (measured: see test_precision), so bf16's bounds. w4a8 multiplies the same codes (and the file's Q8_0
+# lm_head) with activations rounded to int8 per 32 (relative rounding up to 2^-8 of the block's largest |x|, the
+# rule of llama.cpp's own Q4_1 x Q8_1 kernels): per matmul ~5e-3 relative on random data, about twice bf16's, and
+# like bf16 the residual stream, norms, softmax and logits stay fp32 (measured: see test_precision), so bf16's
+# bounds; its kernel bound is bf16's too (garbage is ~1).
 CONTRACTS = {
     "fp32": Contract(min_argmax_agreement=1.0, max_abs_logit_diff=1e-3, max_kernel_rel_err=1e-5),
     "bf16": Contract(min_argmax_agreement=0.9, max_abs_logit_diff=3.0, max_kernel_rel_err=2e-2),
     "fp16w": Contract(min_argmax_agreement=0.95, max_abs_logit_diff=0.5, max_kernel_rel_err=3e-3),
     "int4w": Contract(min_argmax_agreement=0.9, max_abs_logit_diff=3.0, max_kernel_rel_err=2e-2),
+    "w4a8": Contract(min_argmax_agreement=0.9, max_abs_logit_diff=3.0, max_kernel_rel_err=2e-2),
 }
 
 
@@ -84,6 +90,7 @@ class Gemm:
     linear: object
     pack_group: object = None
     activations: torch.dtype = torch.float32  # what `linear` multiplies in: a norm may hand it that dtype already
+    head_quantize: object = None  # auto's timing: how a file would hold the lm_head for `pack_group` (else dense)
 
 
 @dataclass(frozen=True)
@@ -114,6 +121,29 @@ def group_quantize(w: torch.Tensor) -> GroupQuant:
     scale = ((hi - lo) / 15).clamp_min(1e-12)
     q = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8).reshape(n, k)
     return GroupQuant(q, scale, lo + 8 * scale)
+
+
+@dataclass(frozen=True)
+class Group8Quant:
+    """A weight [N, K] as int8 codes in groups of GROUP along K: w = q * scale (a GGUF Q8_0 block, as the default
+    model's tied embedding / lm_head is stored; inference.loader.gguf_group8_weights)."""
+    q: torch.Tensor  # int8 [N, K]
+    scale: torch.Tensor  # fp32 [N, K / GROUP]
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q.float() * self.scale.repeat_interleave(GROUP, dim=1)
+
+    @classmethod
+    def cat(cls, parts: list["Group8Quant"]) -> "Group8Quant":
+        return cls(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale")))
+
+
+def group8_quantize(w: torch.Tensor) -> Group8Quant:
+    """Absmax int8 codes of an fp32 weight (Q8_0's rule): for auto's timing and tests only."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // GROUP, GROUP)
+    scale = (g.abs().amax(-1) / 127).clamp_min(1e-12)
+    return Group8Quant((g / scale[..., None]).round().clamp(-127, 127).to(torch.int8).reshape(n, k), scale)
 
 
 @dataclass(frozen=True)
@@ -148,6 +178,57 @@ def _int4_linear(dense_linear):
     return linear
 
 
+@dataclass(frozen=True)
+class CodedWeight:
+    """w4a8's packed weight: the file's blocks for rows <= max_rows (inference/native/quant.cpp), the dense
+    fallback's packed copy above (prefill, big batches). Q4: nibbles uint8 [N, K/2] (the GGUF's byte order), w =
+    scale * code + mins; Q8_0: codes int8 [N, K], w = scale * code, mins None."""
+    codes: torch.Tensor
+    scale: torch.Tensor  # fp32 [N, K / GROUP]
+    mins: torch.Tensor | None
+    dense: object
+    max_rows: int
+
+
+def _coded_weight(w: torch.Tensor, quant, dense_pack, max_rows: int) -> CodedWeight:
+    if quant.q.shape != w.shape:
+        raise ValueError(f"codes {list(quant.q.shape)} for a weight {list(w.shape)}")
+    n, k = w.shape
+    scale = quant.scale.float().contiguous()
+    if isinstance(quant, Group8Quant):
+        return CodedWeight(quant.q.contiguous(), scale, None, dense_pack(w), max_rows)
+    g = quant.q.reshape(n, k // GROUP, GROUP)
+    nibbles = (g[..., : GROUP // 2] | (g[..., GROUP // 2:] << 4)).reshape(n, k // 2).contiguous()
+    mins = (quant.zero - 8 * quant.scale).float().contiguous()  # GroupQuant's zero is m + 8d (torch's convention)
+    return CodedWeight(nibbles, scale, mins, dense_pack(w), max_rows)
+
+
+def _coded_linear(dense_linear):
+    from inference import native
+
+    def linear(x: torch.Tensor, w) -> torch.Tensor:
+        if isinstance(w, CodedWeight):
+            if x.shape[0] > w.max_rows:
+                return dense_linear(x, w.dense)
+            x = x.float().contiguous()  # a fused norm may hand over bf16 when the dense path is bf16
+            if w.mins is None:
+                return native.w8a8_linear(x, w.codes, w.scale)
+            return native.w4a8_linear(x, w.codes, w.scale, w.mins)
+        return dense_linear(x, w)  # a weight the file holds neither as Q4 nor as Q8_0 blocks
+    return linear
+
+
+@lru_cache(maxsize=1)
+def onednn_bf16_prepacks() -> bool:
+    """Whether oneDNN prepacks bf16 weights on this CPU (it refuses without AVX512BW/VL/DQ or AVX-NE-CONVERT:
+    an AVX2-only EPYC); where it does not, bf16 runs as plain F.linear in bf16."""
+    try:
+        _onednn_pack(torch.zeros(16, 32, dtype=torch.bfloat16))
+        return True
+    except RuntimeError:
+        return False
+
+
 def _onednn_pack(w):
     return torch.ops.mkldnn._reorder_linear_weight(w, 32)
 
@@ -166,7 +247,7 @@ def gemm_for(mode: str, device: torch.device, fp32_kernel: str) -> Gemm:
         return Gemm(mode, "blas", lambda w: w, F.linear)
     if mode == "bf16":
         bf = torch.bfloat16
-        if device.type == "cpu" and fp32_kernel == "onednn":
+        if device.type == "cpu" and fp32_kernel == "onednn" and onednn_bf16_prepacks():
             return Gemm(mode, "onednn-bf16", lambda w: _onednn_pack(w.to(bf)),
                         lambda x, w: _onednn_linear(x.to(bf), w).float(), activations=bf)
         return Gemm(mode, "blas-bf16", lambda w: w.to(bf), lambda x, w: F.linear(x.to(bf), w).float(), activations=bf)
@@ -179,6 +260,17 @@ def gemm_for(mode: str, device: torch.device, fp32_kernel: str) -> Gemm:
         dense = gemm_for("bf16", device, fp32_kernel)
         return Gemm(mode, f"int4pack+{dense.kernel}", dense.pack, _int4_linear(dense.linear), _int4_pack(dense.pack),
                     activations=torch.bfloat16)
+    if mode == "w4a8":
+        from inference import native
+
+        if device.type != "cpu":
+            raise ValueError(f"precision w4a8 runs on the CPU only (inference/native/quant.cpp); use bf16 on {device.type}")
+        if not native.fused_available():
+            raise ValueError(f"precision w4a8 needs the native kernels: {native.load_error()}")
+        # above its rows: bf16 where oneDNN prepacks it (AVX-512 / AMX), else fp32 (bf16 unpacked is slower)
+        dense = gemm_for("bf16" if onednn_bf16_prepacks() else "fp32", device, fp32_kernel)
+        return Gemm(mode, f"w4a8-{native.quant_isa()}+{dense.kernel}", dense.pack, _coded_linear(dense.linear),
+                    lambda w, quant: _coded_weight(w, quant, dense.pack, w4a8_max_rows()), head_quantize=group8_quantize)
     raise ValueError(f"precision {mode!r}: one of {MODES}")
 
 
@@ -192,18 +284,47 @@ def int4_max_rows() -> int:
     pinned = int4_rows_setting()
     if pinned is not None:
         return pinned
+    dense = gemm_for("bf16", torch.device("cpu"), _cpu_fp32_kernel())
+    best = _codes_max_rows(_int4_linear(dense.linear), lambda w: _int4_weight(w, group_quantize(w), dense.pack, 1 << 30),
+                           dense.linear)
+    log.info("int4w: 4-bit codes up to %d rows, bf16 above (KVSERVE_INT4_ROWS pins it)", best)
+    return best
+
+
+@lru_cache(maxsize=1)
+def w4a8_max_rows() -> int:
+    """The most rows w4a8 multiplies with the file's blocks (quant.cpp): KVSERVE_W4A8_ROWS, or (auto) timed once
+    per process like int4_max_rows against its dense fallback."""
+    from inference.settings import w4a8_rows_setting
+
+    pinned = w4a8_rows_setting()
+    if pinned is not None:
+        return pinned
+    gemm = gemm_for("w4a8", torch.device("cpu"), _cpu_fp32_kernel())
+    dense = gemm_for("bf16" if onednn_bf16_prepacks() else "fp32", torch.device("cpu"), _cpu_fp32_kernel())
+    best = _codes_max_rows(gemm.linear, lambda w: _coded_weight(w, group_quantize(w), dense.pack, 1 << 30),
+                           dense.linear)
+    log.info("w4a8: the file's blocks up to %d rows, %s above (KVSERVE_W4A8_ROWS pins it)", best, dense.kernel)
+    return best
+
+
+def _cpu_fp32_kernel() -> str:
+    return "onednn" if torch.backends.mkldnn.is_available() else "blas"
+
+
+def _codes_max_rows(linear, pack_codes, dense_linear) -> int:
+    """The largest of 1, 2, 4, ... 64 rows up to which `linear` over a [1536, 576] weight packed by `pack_codes`
+    (codes at any rows) beats `dense_linear` over its dense copy; 0 where the codes lose even at one row."""
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(1536, 576, generator=gen) / 24
-    dense = gemm_for("bf16", torch.device("cpu"), "onednn" if torch.backends.mkldnn.is_available() else "blas")
-    best, linear = 0, _int4_linear(dense.linear)
+    best = 0
     with torch.inference_mode():
-        int4 = _int4_weight(w, group_quantize(w), dense.pack, max_rows=1 << 30)
+        packed = pack_codes(w)
         for rows in (1, 2, 4, 8, 16, 32, 64):
             x = torch.randn(rows, 576, generator=gen)
-            if _median_ms(lambda: linear(x, int4)) >= _median_ms(lambda: dense.linear(x, int4.dense)):
+            if _median_ms(lambda: linear(x, packed)) >= _median_ms(lambda: dense_linear(x, packed.dense)):
                 break
             best = rows
-    log.info("int4w: 4-bit codes up to %d rows, bf16 above (KVSERVE_INT4_ROWS pins it)", best)
     return best
 
 
@@ -259,9 +380,9 @@ def choose(shapes, device: torch.device, fp32_kernel: str, *, candidates=MODES, 
            contracts: dict | None = None, gemms=None) -> Choice:
     """Times each candidate on `shapes` at 1 and 32 rows, the two weighed alike; a candidate that raises, or whose matmul errs past its
     contract's `max_kernel_rel_err` against fp32, is out. The fastest left wins; fp32 is always left (it is the
-    reference: if even it raises, that raises). A mode with `pack_group` (int4w) packs every weight but the
+    reference: if even it raises, that raises). A mode with `pack_group` (int4w, w4a8) packs every weight but the
     last (model_shapes' lm_head, which no file holds as 4-bit groups) from min/max codes of it, against the codes'
-    own fp32 product. `gemms`: mode -> Gemm (tests put a broken one here)."""
+    own fp32 product; the lm_head too where the mode has `head_quantize` (w4a8: as Q8_0 blocks). `gemms`: mode -> Gemm (tests put a broken one here)."""
     contracts = contracts or CONTRACTS
     gen = torch.Generator().manual_seed(0)
     weights = [(torch.randn(n, k, generator=gen) / k ** 0.5).to(device) for n, k in shapes]
@@ -272,9 +393,10 @@ def choose(shapes, device: torch.device, fp32_kernel: str, *, candidates=MODES, 
             gemm = (gemms or {}).get(mode) or gemm_for(mode, device, fp32_kernel)
             try:
                 if gemm.pack_group:
-                    quants = [group_quantize(w) for w in weights[:-1]]
-                    used = [q.dequantize() for q in quants] + weights[-1:]
-                    packs = [gemm.pack_group(w, q) for w, q in zip(used, quants)] + [gemm.pack(weights[-1])]
+                    head = gemm.head_quantize(weights[-1]) if gemm.head_quantize else None
+                    quants = [group_quantize(w) for w in weights[:-1]] + [head]
+                    used = [w if q is None else q.dequantize() for w, q in zip(weights, quants)]
+                    packs = [gemm.pack(w) if q is None else gemm.pack_group(w, q) for w, q in zip(used, quants)]
                 else:
                     used, packs = weights, [gemm.pack(w) for w in weights]
                 reference = {rows: [F.linear(x, w) for x, w in zip(inputs[rows], used)] for rows in inputs}
@@ -313,19 +435,19 @@ def resolve_precision(requested: str, config, device: torch.device, dtype, fp32_
                       grouped: bool = False) -> Choice:
     """The mode an engine runs for KVSERVE_PRECISION=`requested`; `auto` is timed once per process per model
     shape and device (a worker's engines and its canary sandbox agree). Non-fp32 modes need an fp32 model;
-    int4w needs `grouped`: a model file holding its projections as 4-bit groups (inference.loader)."""
+    int4w and w4a8 need `grouped`: a model file holding its projections as 4-bit groups (inference.loader)."""
     if requested not in SETTING_CHOICES:
         raise ValueError(f"precision {requested!r}: one of {SETTING_CHOICES}")
     if dtype != torch.float32:
         if requested not in ("fp32", "auto"):
             raise ValueError(f"precision {requested} needs KVSERVE_DTYPE=float32 (the model's dtype is {dtype})")
         return Choice("fp32", {}, f"the model runs {dtype}: precision modes apply to fp32 models only")
-    if requested == "int4w" and not grouped:
-        raise ValueError("precision int4w multiplies the model file's own 4-bit blocks: use a GGUF whose projections "
-                         "are Q4_0 or Q4_1, or another precision")
+    if requested in GROUPED and not grouped:
+        raise ValueError(f"precision {requested} multiplies the model file's own 4-bit blocks: use a GGUF whose "
+                         "projections are Q4_0 or Q4_1, or another precision")
     if requested != "auto":
         return Choice(requested, {}, "set by KVSERVE_PRECISION")
-    candidates = tuple(m for m in MODES if m != "int4w" or (grouped and device.type == "cpu"))
+    candidates = tuple(m for m in MODES if m not in GROUPED or (grouped and device.type == "cpu"))
     return _auto_cached(tuple(model_shapes(config)), str(device), fp32_kernel, candidates)
 
 
@@ -341,7 +463,8 @@ def precision_scope(model_fingerprint: str, device: torch.device) -> str:
             flags = next((ln for ln in f if ln.startswith("flags")), "")
     except OSError:
         flags = ""
-    caps = [os.environ.get(v, "") for v in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "KVSERVE_INT4_ROWS")]
+    caps = [os.environ.get(v, "") for v in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "KVSERVE_INT4_ROWS",
+                                            "KVSERVE_W4A8_ROWS")]
     parts = [model_fingerprint, device.type, torch.__version__, " ".join(sorted(flags.split())), *caps]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 
 SCRUB_POLICIES = ("on_free", "on_alloc", "off")
 DTYPES = ("float32", "bfloat16", "float16")
-PRECISIONS = ("fp32", "bf16", "fp16w", "int4w", "auto")  # inference.precision.SETTING_CHOICES
+PRECISIONS = ("fp32", "bf16", "fp16w", "int4w", "w4a8", "auto")  # inference.precision.SETTING_CHOICES
 ROLES = ("prefill", "decode")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -168,16 +168,26 @@ def thread_budget_setting(env: Mapping | None = None) -> str:
     return env_choice("KVSERVE_THREAD_BUDGET", "fixed", ("shared", "fixed"), env)
 
 
-def int4_rows_setting(env: Mapping | None = None) -> int | None:
-    """KVSERVE_INT4_ROWS: the most rows precision int4w multiplies with 4-bit codes (bf16 above); None (auto,
-    unset): timed at start (inference.precision.int4_max_rows)."""
+def _rows_parsed(name: str, env: Mapping | None) -> int | None:
     def parse(raw: str) -> int | None:
         if raw.strip().lower() == "auto":
             return None
         if not raw.strip().isdigit() or int(raw) < 1:
             raise ValueError("not auto or a whole number >= 1")
         return int(raw)
-    return env_parsed("KVSERVE_INT4_ROWS", "auto", parse, "auto or a row count, e.g. 4", env)
+    return env_parsed(name, "auto", parse, "auto or a row count, e.g. 4", env)
+
+
+def int4_rows_setting(env: Mapping | None = None) -> int | None:
+    """KVSERVE_INT4_ROWS: the most rows precision int4w multiplies with 4-bit codes (bf16 above); None (auto,
+    unset): timed at start (inference.precision.int4_max_rows)."""
+    return _rows_parsed("KVSERVE_INT4_ROWS", env)
+
+
+def w4a8_rows_setting(env: Mapping | None = None) -> int | None:
+    """KVSERVE_W4A8_ROWS: the most rows precision w4a8 multiplies with the file's blocks (its dense fallback
+    above); None (auto, unset): timed at start (inference.precision.w4a8_max_rows)."""
+    return _rows_parsed("KVSERVE_W4A8_ROWS", env)
 
 
 def attn_isa_setting(env: Mapping | None = None) -> str:

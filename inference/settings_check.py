@@ -2,7 +2,7 @@
 runs it, the web from kvserve/settings/engine.py, so a malformed value stops it at start, named. No torch here."""
 from inference.faults import Faults
 from inference.settings import (attn_isa_setting, engine_settings, int4_rows_setting, port_setting, redis_url_setting,
-                                role_setting, runtime_settings, thread_budget_setting)
+                                role_setting, runtime_settings, thread_budget_setting, w4a8_rows_setting)
 
 
 def settings_validate() -> None:
@@ -16,4 +16,5 @@ def settings_validate() -> None:
     thread_budget_setting()
     attn_isa_setting()
     int4_rows_setting()
+    w4a8_rows_setting()
     Faults.from_env()

@@ -1,5 +1,6 @@
-"""The native CPU kernels: paged attention (paged_attention.cpp) and the fused elementwise ops of a layer
-(fused.cpp: RMSNorm; RoPE with the K/V pool write), built by `make install` (`python -m inference.native`) into
+"""The native CPU kernels: paged attention (paged_attention.cpp), the fused elementwise ops of a layer
+(fused.cpp: RMSNorm; RoPE with the K/V pool write) and precision w4a8's integer matmul of the file's own weight
+blocks (quant.cpp), built by `make install` (`python -m inference.native`) into
 inference/native/build/ as one library, loaded here as torch.ops.kvserve_paged.
 
 The build is keyed by a hash of the source, the torch version and the flags, so a stale library is
@@ -22,7 +23,7 @@ from inference.settings import attn_isa_setting
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
-SOURCES = (HERE / "paged_attention.cpp", HERE / "fused.cpp")
+SOURCES = (HERE / "paged_attention.cpp", HERE / "fused.cpp", HERE / "quant.cpp")
 BUILD_DIR = HERE / "build"
 CFLAGS = ["-O3", "-fopenmp", "-fopenmp-simd", "-std=c++17"]
 LDFLAGS = ["-fopenmp"]
@@ -112,3 +113,21 @@ def set_isa(name: str = "") -> str:
     if not _loaded.get("ok") and not load():
         raise RuntimeError(f"the paged-attention kernel is not available: {load_error()}")
     return torch.ops.kvserve_paged.set_isa(name)
+
+
+def w4a8_linear(x: torch.Tensor, nibbles: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """x [R, K] fp32 times Q4 blocks (nibbles uint8 [N, K/2], w = d * code + m per 32), activations quantized
+    to int8 per 32 (quant.cpp); fp32 [R, N]."""
+    return torch.ops.kvserve_paged.w4a8_linear(x, nibbles, d, m)
+
+
+def w8a8_linear(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """x [R, K] fp32 times Q8_0 blocks (q int8 [N, K], w = d * q per 32), activations int8 per 32; fp32 [R, N]."""
+    return torch.ops.kvserve_paged.w8a8_linear(x, q, d)
+
+
+def quant_isa(name: str = "") -> str:
+    """The build of w4a8's loop in use (avx2 | generic); a name forces one ("best": the CPU's best)."""
+    if not _loaded.get("ok") and not load():
+        raise RuntimeError(f"the native kernels are not available: {load_error()}")
+    return torch.ops.kvserve_paged.quant_isa(name)

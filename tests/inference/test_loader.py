@@ -127,6 +127,22 @@ def test_a_gguf_s_4bit_blocks_are_read_as_its_own_codes(tmp_path, qtype):
     assert gguf_group_weights(path).keys() == groups.keys()  # the second read is the cache entry's
 
 
+def test_a_gguf_s_q8_0_blocks_are_read_as_its_own_codes(tiny_paths, real_model):
+    """w4a8's int8 codes and scales dequantize to exactly what load_model dequantized: the tiny Q8_0 file's
+    projections (q/k rows un-permuted alike) and the real model's tied token_embd (its lm_head)."""
+    from inference.loader import gguf_group8_weights
+
+    loaded, groups = load_model(tiny_paths["gguf_q8"]), gguf_group8_weights(tiny_paths["gguf_q8"])
+    projections = [n for n in loaded.weights if n.startswith("model.layers.") and n.endswith("proj.weight")]
+    assert sorted(groups) == sorted(projections)
+    for name in projections:
+        assert groups[name].q.dtype == torch.int8 and torch.equal(groups[name].dequantize(), loaded.weights[name]), name
+    real = gguf_group8_weights(real_model.source)
+    assert list(real) == ["model.embed_tokens.weight"]
+    assert torch.equal(real["model.embed_tokens.weight"].dequantize(), real_model.weights["model.embed_tokens.weight"])
+    assert gguf_group8_weights(tiny_paths["gguf"]) == {} and gguf_group8_weights(tiny_paths["hf"]) == {}
+
+
 def test_only_4bit_block_files_have_groups(tiny_paths):
     from inference.loader import gguf_group_weights, gguf_has_group_weights
 

@@ -6,9 +6,10 @@ import dataclasses
 import pytest
 import torch
 
-from inference.precision import (CONTRACTS, MODES, Agreement, Gemm, Int4Weight, choose, compare_logits, gemm_for,
-                                 group_quantize, int4_max_rows, model_shapes, precision_contract_holds,
-                                 precision_fingerprint, resolve_precision)
+from inference.precision import (CONTRACTS, GROUPED, MODES, Agreement, CodedWeight, Gemm, Int4Weight, choose,
+                                 compare_logits, gemm_for, group8_quantize, group_quantize, int4_max_rows, model_shapes,
+                                 onednn_bf16_prepacks, precision_contract_holds, precision_fingerprint,
+                                 resolve_precision, w4a8_max_rows)
 from tests.inference.helpers import greedy, make_engine
 
 pytestmark = pytest.mark.timeout(900)
@@ -55,16 +56,19 @@ def agreement_of(real_model, fp32_runs, precision: str, **config) -> Agreement:
 
 @pytest.fixture
 def int4_codes_everywhere(real_model, monkeypatch):
-    """int4w's 4-bit codes at any row count (a teacher-forced chunk is many rows: bf16's path otherwise)."""
+    """The coded modes' codes at any row count (a teacher-forced chunk is many rows: their dense path otherwise)."""
     monkeypatch.setenv("KVSERVE_INT4_ROWS", "100000")
+    monkeypatch.setenv("KVSERVE_W4A8_ROWS", "100000")
     int4_max_rows.cache_clear()
+    w4a8_max_rows.cache_clear()
     real_model.built.clear()
     yield
     int4_max_rows.cache_clear()
+    w4a8_max_rows.cache_clear()
     real_model.built.clear()
 
 
-@pytest.mark.parametrize("mode", [m for m in MODES if m != "int4w"])
+@pytest.mark.parametrize("mode", [m for m in MODES if m not in GROUPED])
 def test_each_mode_meets_its_contract_on_the_real_model(real_model, fp32_runs, mode):
     got = agreement_of(real_model, fp32_runs, mode)
     assert precision_contract_holds(mode, got), (mode, got, CONTRACTS[mode])
@@ -77,8 +81,19 @@ def test_int4w_meets_its_contract_through_the_files_codes(real_model, fp32_runs,
     assert precision_contract_holds("int4w", got), (got, CONTRACTS["int4w"])
 
 
-def test_int4w_contract_fails_codes_read_with_their_nibbles_swapped(real_model, fp32_runs, int4_codes_everywhere,
-                                                                   monkeypatch):
+def test_w4a8_meets_its_contract_through_the_files_codes(real_model, fp32_runs, int4_codes_everywhere):
+    """The file's Q4_1 projections and its Q8_0 lm_head, each times int8 activations (inference/native/quant.cpp)."""
+    model = make_engine(real_model, precision="w4a8").model
+    gate_up, head = model.layers[0]["gate_up"], model.lm_head
+    assert isinstance(gate_up, CodedWeight) and gate_up.mins is not None and gate_up.max_rows == 100000
+    assert isinstance(head, CodedWeight) and head.mins is None and head.codes.dtype == torch.int8
+    got = agreement_of(real_model, fp32_runs, "w4a8")
+    assert precision_contract_holds("w4a8", got), (got, CONTRACTS["w4a8"])
+
+
+@pytest.mark.parametrize("mode", GROUPED)
+def test_coded_contract_fails_codes_read_with_their_nibbles_swapped(real_model, fp32_runs, int4_codes_everywhere,
+                                                                   monkeypatch, mode):
     """The contract against a loader that took a block's high nibbles for its first 16 weights."""
     import inference.engine as engine_module
     from inference.loader import gguf_group_weights
@@ -88,8 +103,8 @@ def test_int4w_contract_fails_codes_read_with_their_nibbles_swapped(real_model, 
                 for n, g in gguf_group_weights(path).items()}
 
     monkeypatch.setattr(engine_module, "gguf_group_weights", swapped)
-    got = agreement_of(real_model, fp32_runs, "int4w")
-    assert not precision_contract_holds("int4w", got)
+    got = agreement_of(real_model, fp32_runs, mode)
+    assert not precision_contract_holds(mode, got)
 
 
 def test_int4w_multiplies_codes_up_to_its_rows_and_bf16_above(monkeypatch):
@@ -114,19 +129,46 @@ def test_int4w_multiplies_codes_up_to_its_rows_and_bf16_above(monkeypatch):
         int4_max_rows.cache_clear()
 
 
-def test_int4w_needs_a_file_of_4bit_blocks(real_model, tiny_model):
-    with pytest.raises(ValueError, match="Q4_0 or Q4_1"):
-        resolve_precision("int4w", real_model.config, torch.device("cpu"), torch.float32, "onednn", grouped=False)
-    with pytest.raises(ValueError, match="Q4_0 or Q4_1"):
-        make_engine(tiny_model, precision="int4w")  # the tiny F32 GGUF
-    assert make_engine(real_model, precision="int4w").fingerprint == precision_fingerprint(real_model.fingerprint, "int4w")
+def test_w4a8_multiplies_the_files_blocks_up_to_its_rows_and_dense_above(monkeypatch):
+    from inference import native
+
+    monkeypatch.setenv("KVSERVE_W4A8_ROWS", "4")
+    w4a8_max_rows.cache_clear()
+    try:
+        gemm = gemm_for("w4a8", torch.device("cpu"), "onednn")
+        dense = gemm_for("bf16" if onednn_bf16_prepacks() else "fp32", torch.device("cpu"), "onednn")
+        assert gemm.kernel.endswith("+" + dense.kernel)
+        gen = torch.Generator().manual_seed(0)
+        for quant in (group_quantize(torch.randn(96, 64, generator=gen)), group8_quantize(torch.randn(96, 64, generator=gen))):
+            w = quant.dequantize()
+            packed = gemm.pack_group(w, quant)
+            assert packed.max_rows == 4
+            for rows, path in ((1, "codes"), (4, "codes"), (5, "dense"), (32, "dense")):
+                x = torch.randn(rows, 64, generator=gen)
+                codes = (native.w8a8_linear(x, packed.codes, packed.scale) if packed.mins is None
+                         else native.w4a8_linear(x, packed.codes, packed.scale, packed.mins))
+                want = codes if path == "codes" else dense.linear(x, packed.dense)
+                assert not torch.equal(codes, dense.linear(x, packed.dense))
+                assert torch.equal(gemm.linear(x, packed), want), (rows, path)
+                assert (gemm.linear(x, packed) - x @ w.T).norm() / (x @ w.T).norm() < CONTRACTS["w4a8"].max_kernel_rel_err
+    finally:
+        w4a8_max_rows.cache_clear()
 
 
-def test_auto_times_int4w_only_for_a_file_of_4bit_blocks(real_model):
+@pytest.mark.parametrize("mode", GROUPED)
+def test_coded_modes_need_a_file_of_4bit_blocks(real_model, tiny_model, mode):
+    with pytest.raises(ValueError, match="Q4_0 or Q4_1"):
+        resolve_precision(mode, real_model.config, torch.device("cpu"), torch.float32, "onednn", grouped=False)
+    with pytest.raises(ValueError, match="Q4_0 or Q4_1"):
+        make_engine(tiny_model, precision=mode)  # the tiny F32 GGUF
+    assert make_engine(real_model, precision=mode).fingerprint == precision_fingerprint(real_model.fingerprint, mode)
+
+
+def test_auto_times_the_coded_modes_only_for_a_file_of_4bit_blocks(real_model):
     plain = resolve_precision("auto", real_model.config, torch.device("cpu"), torch.float32, "onednn", grouped=False)
-    assert "int4w" not in plain.timings_ms
+    assert not set(GROUPED) & set(plain.timings_ms)
     grouped = resolve_precision("auto", real_model.config, torch.device("cpu"), torch.float32, "onednn", grouped=True)
-    assert grouped.timings_ms.get("int4w") is not None
+    assert set(GROUPED) <= set(grouped.timings_ms) and grouped.timings_ms["w4a8"] is not None
 
 
 def test_the_contract_fails_weights_cast_to_int8_naively(real_model, fp32_runs, monkeypatch):
@@ -167,7 +209,8 @@ def test_auto_drops_a_candidate_that_raises_or_computes_wrong(real_model):
 
     garbage = Gemm("bf16", "garbage", lambda w: w, lambda x, w: torch.zeros(x.shape[0], w.shape[0]))
     raises = Gemm("fp16w", "raises", boom, None)
-    choice = choose(shapes, cpu, "onednn", gemms={"bf16": garbage, "fp16w": raises, "int4w": raises}, repeats=1)
+    choice = choose(shapes, cpu, "onednn", gemms={"bf16": garbage, "fp16w": raises, "int4w": raises, "w4a8": raises},
+                    repeats=1)
     assert choice.mode == "fp32"
     assert choice.timings_ms["bf16"] is None and choice.timings_ms["fp16w"] is None and choice.timings_ms["int4w"] is None
     assert "bf16 out: ArithmeticError" in choice.why and "fp16w out: RuntimeError" in choice.why
@@ -183,16 +226,23 @@ def test_auto_picks_a_timed_mode_whose_kernels_hold(real_model):
 
 def test_auto_takes_int4w_over_a_faster_timed_bf16(real_model, monkeypatch):
     """int4w runs bf16's matmuls above its rows and codes measured faster at or below: bf16 beating it on the
-    start-up timing is noise on the shared lm_head (here: int4w slowed on purpose)."""
+    start-up timing is noise on the shared lm_head (here: int4w slowed on purpose, and fp32 a little, so that
+    bf16 times fastest on any CPU: on an AVX2-only one oneDNN does not prepack bf16 and fp32 wins outright)."""
     import time as time_module
 
     monkeypatch.setenv("KVSERVE_INT4_ROWS", "4")
     int4_max_rows.cache_clear()
     try:
-        real = gemm_for("int4w", torch.device("cpu"), "onednn")
-        slowed = dataclasses.replace(real, linear=lambda x, w: (time_module.sleep(0.003), real.linear(x, w))[1])
-        choice = choose(model_shapes(real_model.config)[:2] + model_shapes(real_model.config)[-1:], torch.device("cpu"),
-                        "onednn", candidates=("fp32", "bf16", "int4w"), gemms={"int4w": slowed}, repeats=1)
+        cpu = torch.device("cpu")
+
+        def slowed(g, seconds):
+            return dataclasses.replace(g, linear=lambda x, w: (time_module.sleep(seconds), g.linear(x, w))[1])
+
+        fp32 = gemm_for("fp32", cpu, "onednn")
+        gemms = {"fp32": slowed(fp32, 0.004), "bf16": dataclasses.replace(fp32, mode="bf16"),
+                 "int4w": slowed(gemm_for("int4w", cpu, "onednn"), 0.012)}
+        choice = choose(model_shapes(real_model.config)[:2] + model_shapes(real_model.config)[-1:], cpu,
+                        "onednn", candidates=("fp32", "bf16", "int4w"), gemms=gemms, repeats=1)
         assert choice.timings_ms["bf16"] < choice.timings_ms["int4w"]
         assert choice.mode == "int4w" and "int4w over bf16" in choice.why
     finally:

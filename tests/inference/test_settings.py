@@ -92,14 +92,16 @@ def test_precision_is_read_and_its_choices_are_the_engines():
     assert engine_settings(env={"KVSERVE_PRECISION": "BF16"})["precision"] == "bf16"
 
 
-def test_int4_rows_is_auto_or_a_positive_count():
-    from inference.settings import int4_rows_setting
+@pytest.mark.parametrize("name", ["KVSERVE_INT4_ROWS", "KVSERVE_W4A8_ROWS"])
+def test_coded_rows_are_auto_or_a_positive_count(name):
+    from inference.settings import int4_rows_setting, w4a8_rows_setting
 
-    assert int4_rows_setting(env={}) is None and int4_rows_setting(env={"KVSERVE_INT4_ROWS": "Auto"}) is None
-    assert int4_rows_setting(env={"KVSERVE_INT4_ROWS": "8"}) == 8
+    read = {"KVSERVE_INT4_ROWS": int4_rows_setting, "KVSERVE_W4A8_ROWS": w4a8_rows_setting}[name]
+    assert read(env={}) is None and read(env={name: "Auto"}) is None
+    assert read(env={name: "8"}) == 8
     for raw in ("0", "eight"):
-        with pytest.raises(SettingError, match="KVSERVE_INT4_ROWS"):
-            int4_rows_setting(env={"KVSERVE_INT4_ROWS": raw})
+        with pytest.raises(SettingError, match=name):
+            read(env={name: raw})
 
 
 def test_from_env_reads_the_same_settings(monkeypatch):

@@ -1,0 +1,225 @@
+// Precision w4a8's small-batch matmul: the GGUF's own weight blocks (Q4_0/Q4_1 nibbles, Q8_0 bytes; a scale per
+// 32 weights) times activations quantized per row per 32 to int8 with one fp32 scale (llama.cpp's Q8_1 rule),
+// as integer dot products per block (AVX2: maddubs + madd, 32 products in two instructions) summed in fp32.
+// One stream reads 4.5-5 bits per weight instead of bf16's 16, and multiplies without widening to floats.
+//
+// Per block b of row r and output n:  sum_i w_i a_i = d_n,b * s_r,b * sum_i q_i qa_i  +  m_n,b * s_r,b * sum_i qa_i
+// (Q4_1: w = d q + m, q in 0..15; Q4_0 is m = -8 d; Q8_0: w = d q, q in -127..127, no m term).
+// Two builds of the loop, chosen at load from the CPU (`avx2`: AVX2 + FMA; `generic`); kvserve_paged::quant_isa
+// reports or forces one (tests run both against the same reference).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define KVS_QX86 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t QK = 32;  // weights (and activations) per scale
+constexpr int64_t ROW_TILE = 4;  // activation rows sharing one read of a weight block
+
+// Activations [R, K] as int8 codes per block of 32 (round to nearest of x / s, s = max|x| / 127), with s and
+// s * sum(codes) per block (the Q4 zero term's factor).
+struct QuantActs {
+  std::vector<int8_t> q;
+  std::vector<float> s, ssum;
+};
+
+QuantActs quantize_acts(const float* x, int64_t R, int64_t K) {
+  const int64_t KB = K / QK;
+  QuantActs a{std::vector<int8_t>(R * K), std::vector<float>(R * KB), std::vector<float>(R * KB)};
+  for (int64_t rb = 0; rb < R * KB; ++rb) {
+    const float* xb = x + rb * QK;
+    float amax = 0.f;
+    for (int64_t i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float s = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t sum = 0;
+    for (int64_t i = 0; i < QK; ++i) {
+      const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * inv));
+      a.q[rb * QK + i] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    a.s[rb] = s;
+    a.ssum[rb] = s * static_cast<float>(sum);
+  }
+  return a;
+}
+
+// ---- generic: the same sums in plain C++ (any CPU; the reference the AVX2 build is tested against) ----
+
+template <bool Q4>
+void rows_generic(const uint8_t* w, const float* d, const float* m, int64_t N, int64_t KB, const QuantActs& a,
+                  int64_t R, float* out, int64_t n0, int64_t n1) {
+  const int64_t wb = Q4 ? QK / 2 : QK;  // bytes per block of weights
+  std::vector<float> acc(R);
+  int8_t q[QK];
+  for (int64_t n = n0; n < n1; ++n) {
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t b = 0; b < KB; ++b) {
+      const uint8_t* blk = w + (n * KB + b) * wb;
+      if (Q4) {
+        for (int64_t i = 0; i < QK / 2; ++i) {
+          q[i] = static_cast<int8_t>(blk[i] & 0x0F);
+          q[i + QK / 2] = static_cast<int8_t>(blk[i] >> 4);
+        }
+      } else {
+        std::memcpy(q, blk, QK);
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        const int8_t* qa = a.q.data() + (r * KB + b) * QK;
+        int32_t dot = 0;
+        for (int64_t i = 0; i < QK; ++i) dot += static_cast<int32_t>(q[i]) * qa[i];
+        acc[r] += d[n * KB + b] * a.s[r * KB + b] * static_cast<float>(dot);
+        if (Q4) acc[r] += m[n * KB + b] * a.ssum[r * KB + b];
+      }
+    }
+    for (int64_t r = 0; r < R; ++r) out[r * N + n] = acc[r];
+  }
+}
+
+#ifdef KVS_QX86
+
+__attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// RR activation rows (1..ROW_TILE) against outputs [n0, n1): each weight block is loaded (and its nibbles
+// spread) once for all RR rows; per row and block two integer instructions give 8 partial int32 sums.
+template <bool Q4, int RR>
+__attribute__((target("avx2,fma"))) void tile_avx2(const uint8_t* w, const float* d, const float* m, int64_t N,
+                                                    int64_t KB, const QuantActs& a, int64_t r0, float* out,
+                                                    int64_t n0, int64_t n1) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int8_t* qa = a.q.data() + r0 * KB * QK;
+  const float* sa = a.s.data() + r0 * KB;
+  const float* ssum = a.ssum.data() + r0 * KB;
+  for (int64_t n = n0; n < n1; ++n) {
+    __m256 acc[RR];
+    float zacc[RR];
+    for (int r = 0; r < RR; ++r) acc[r] = _mm256_setzero_ps(), zacc[r] = 0.f;
+    for (int64_t b = 0; b < KB; ++b) {
+      const int64_t nb = n * KB + b;
+      __m256i wq;  // Q4: codes 0..15 as unsigned bytes; Q8: |q| as unsigned bytes (its sign moves onto qa)
+      if (Q4) {
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + nb * (QK / 2)));
+        wq = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low);
+      } else {
+        wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + nb * QK));
+      }
+      const __m256i wabs = Q4 ? wq : _mm256_sign_epi8(wq, wq);
+      const float dn = d[nb];
+      for (int r = 0; r < RR; ++r) {
+        __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa + (r * KB + b) * QK));
+        if (!Q4) x = _mm256_sign_epi8(x, wq);
+        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, x), ones);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dn * sa[r * KB + b]), acc[r]);
+        if (Q4) zacc[r] += m[nb] * ssum[r * KB + b];
+      }
+    }
+    for (int r = 0; r < RR; ++r) out[(r0 + r) * N + n] = hsum8(acc[r]) + zacc[r];
+  }
+}
+
+template <bool Q4>
+void rows_avx2(const uint8_t* w, const float* d, const float* m, int64_t N, int64_t KB, const QuantActs& a,
+               int64_t R, float* out, int64_t n0, int64_t n1) {
+  for (int64_t r0 = 0; r0 < R; r0 += ROW_TILE) {
+    switch (std::min(ROW_TILE, R - r0)) {
+      case 1: tile_avx2<Q4, 1>(w, d, m, N, KB, a, r0, out, n0, n1); break;
+      case 2: tile_avx2<Q4, 2>(w, d, m, N, KB, a, r0, out, n0, n1); break;
+      case 3: tile_avx2<Q4, 3>(w, d, m, N, KB, a, r0, out, n0, n1); break;
+      default: tile_avx2<Q4, 4>(w, d, m, N, KB, a, r0, out, n0, n1); break;
+    }
+  }
+}
+
+#endif  // KVS_QX86
+
+enum class QIsa { generic, avx2 };
+
+QIsa best_isa() {
+#ifdef KVS_QX86
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return QIsa::avx2;
+#endif
+  return QIsa::generic;
+}
+
+QIsa g_isa = best_isa();
+
+template <bool Q4>
+at::Tensor coded_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d, const at::Tensor* m) {
+  const char* op = Q4 ? "w4a8_linear" : "w8a8_linear";
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), op,
+              ": x must be a contiguous fp32 CPU matrix [rows, K]");
+  const int64_t R = x.size(0), K = x.size(1), N = w.size(0), KB = K / QK;
+  TORCH_CHECK(K % QK == 0, op, ": K = ", K, " is not a multiple of ", QK);
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) == (Q4 ? KB * QK / 2 : K) &&
+                  w.scalar_type() == (Q4 ? at::kByte : at::kChar),
+              op, ": weight codes must be contiguous ", Q4 ? "uint8 [N, K / 2]" : "int8 [N, K]", " for K = ", K);
+  TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.dim() == 2 && d.size(0) == N && d.size(1) == KB,
+              op, ": scales must be contiguous fp32 [", N, ", ", KB, "]");
+  if (m)
+    TORCH_CHECK(m->scalar_type() == at::kFloat && m->is_contiguous() && m->sizes() == d.sizes(), op,
+                ": mins must be contiguous fp32 like the scales");
+  at::Tensor out = at::empty({R, N}, x.options());
+  if (R == 0 || N == 0) return out;
+  const QuantActs a = quantize_acts(x.data_ptr<float>(), R, K);
+  const uint8_t* wp = static_cast<const uint8_t*>(w.data_ptr());
+  const float* dp = d.data_ptr<float>();
+  const float* mp = m ? m->data_ptr<float>() : nullptr;
+  float* o = out.data_ptr<float>();
+  const QIsa isa = g_isa;
+  at::parallel_for(0, N, 16, [&](int64_t lo, int64_t hi) {
+#ifdef KVS_QX86
+    if (isa == QIsa::avx2) return rows_avx2<Q4>(wp, dp, mp, N, KB, a, R, o, lo, hi);
+#endif
+    rows_generic<Q4>(wp, dp, mp, N, KB, a, R, o, lo, hi);
+  });
+  return out;
+}
+
+// x fp32 [R, K]; nibbles uint8 [N, K / 2] (a GGUF Q4 block's 16 bytes per 32 weights: byte j holds code j in its
+// low nibble and code j + 16 in its high one); d, m fp32 [N, K / 32]: w = d * code + m. Returns x @ w.T, fp32.
+at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& nibbles, const at::Tensor& d, const at::Tensor& m) {
+  return coded_linear<true>(x, nibbles, d, &m);
+}
+
+// x fp32 [R, K]; q int8 [N, K] (a GGUF Q8_0 block's 32 codes); d fp32 [N, K / 32]: w = d * q. Returns x @ w.T.
+at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d) {
+  return coded_linear<false>(x, q, d, nullptr);
+}
+
+// "" reports the build in use; "avx2" or "generic" forces one (refusing an ISA this CPU lacks); returns the one in use.
+std::string quant_isa(const std::string& name) {
+  if (name == "generic") g_isa = QIsa::generic;
+  else if (name == "avx2") {
+    TORCH_CHECK(best_isa() == QIsa::avx2, "quant_isa: this CPU lacks AVX2 + FMA");
+    g_isa = QIsa::avx2;
+  } else if (name == "best") g_isa = best_isa();
+  else TORCH_CHECK(name.empty(), "quant_isa: ", name, " is not avx2, generic, best or empty");
+  return g_isa == QIsa::avx2 ? "avx2" : "generic";
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvserve_paged, m) {
+  m.def("w4a8_linear(Tensor x, Tensor nibbles, Tensor d, Tensor m) -> Tensor", &w4a8_linear);
+  m.def("w8a8_linear(Tensor x, Tensor q, Tensor d) -> Tensor", &w8a8_linear);
+  m.def("quant_isa(str name) -> str", &quant_isa);
+}

@@ -1,0 +1,108 @@
+"""w4a8's integer matmul (inference/native/quant.cpp), both builds of its loop, against the same sums written in
+torch: activations rounded to int8 per 32, exact integer dot products per block, fp32 scales; and what it refuses."""
+import pytest
+import torch
+
+from inference import native
+from inference.precision import CONTRACTS, GROUP, group8_quantize, group_quantize
+
+pytestmark = pytest.mark.skipif(not native.fused_available(), reason="the native library is built by make install")
+ISAS = ["generic"] + (["avx2"] if native.quant_isa("best") == "avx2" else [])
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    native.quant_isa(request.param)
+    yield request.param
+    native.quant_isa("best")
+
+
+def reference(x, codes, d, m):
+    """sum_b d * s * (codes . qa) + m * s * sum(qa), with qa = round(x / s), s = max|x| / 127 per block of 32."""
+    r, k = x.shape
+    xb = x.reshape(r, k // GROUP, GROUP).double()
+    s = xb.abs().amax(-1) / 127
+    qa = torch.where(s[..., None] > 0, torch.round(xb / s.clamp_min(1e-300)[..., None]), torch.zeros_like(xb))
+    n = codes.shape[0]
+    dots = torch.einsum("rbi,nbi->rnb", qa, codes.reshape(n, k // GROUP, GROUP).double())  # exact in float64
+    out = (dots * d.double()[None] * s[:, None]).sum(-1)
+    if m is not None:
+        out += (m.double()[None] * (s * qa.sum(-1))[:, None]).sum(-1)
+    return out.float()
+
+
+def nibbles_of(q):
+    """A GGUF Q4 block's byte order: byte j holds code j in its low nibble and code j + 16 in its high one."""
+    n, k = q.shape
+    g = q.reshape(n, k // GROUP, GROUP)
+    return (g[..., :16] | (g[..., 16:] << 4)).reshape(n, k // 2).contiguous()
+
+
+def q4(n, k, gen, zero_point: bool):
+    quant = group_quantize(torch.randn(n, k, generator=gen))
+    mins = quant.zero - 8 * quant.scale if zero_point else -8 * quant.scale  # Q4_1, or Q4_0's m = -8d
+    return quant.q, nibbles_of(quant.q), quant.scale.contiguous(), mins.contiguous()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0"])
+def test_coded_linear_is_the_blockwise_integer_sum(isa, rows, kind):
+    gen = torch.Generator().manual_seed(rows)
+    n, k = 70, 96
+    x = torch.randn(rows, k, generator=gen) * 2
+    x[0, :GROUP] = 0  # a block of zeros: scale 0, codes 0
+    if kind == "Q8_0":
+        quant = group8_quantize(torch.randn(n, k, generator=gen))
+        got = native.w8a8_linear(x, quant.q, quant.scale)
+        want = reference(x, quant.q.float(), quant.scale, None)
+    else:
+        codes, nibbles, d, m = q4(n, k, gen, zero_point=kind == "Q4_1")
+        got = native.w4a8_linear(x, nibbles, d, m)
+        want = reference(x, codes.float(), d, m)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-4 * want.abs().max().item()), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_coded_linear_keeps_the_kernel_contract_against_the_dequantized_weights(isa, kind):
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(4, 576, generator=gen)
+    w = torch.randn(1536, 576, generator=gen) / 24
+    if kind == "Q8_0":
+        quant = group8_quantize(w)
+        got = native.w8a8_linear(x, quant.q, quant.scale)
+    else:
+        quant = group_quantize(w)
+        got = native.w4a8_linear(x, nibbles_of(quant.q), quant.scale, (quant.zero - 8 * quant.scale).contiguous())
+    ref = x @ quant.dequantize().T
+    err = ((got - ref).norm() / ref.norm()).item()
+    assert err < CONTRACTS["w4a8"].max_kernel_rel_err / 2, err
+
+
+def test_the_low_nibbles_are_a_blocks_first_sixteen_weights():
+    """A GGUF Q4 block's byte j holds weight j (low nibble) and j + 16 (high): a one-hot activation reads each."""
+    nibbles = torch.tensor([[0x21] * 16], dtype=torch.uint8)  # weights 0..15 code 1, weights 16..31 code 2
+    d, m = torch.ones(1, 1), torch.zeros(1, 1)
+    for j, code in ((0, 1.0), (15, 1.0), (16, 2.0), (31, 2.0)):
+        x = torch.zeros(1, 32)
+        x[0, j] = 1.0
+        assert native.w4a8_linear(x, nibbles, d, m).item() == code, j
+
+
+def test_coded_linear_refuses_what_it_cannot_read():
+    x = torch.randn(2, 64)
+    nibbles, d = torch.zeros(8, 32, dtype=torch.uint8), torch.ones(8, 2)
+    with pytest.raises(RuntimeError, match="not a multiple of 32"):
+        native.w4a8_linear(torch.randn(2, 48), torch.zeros(8, 24, dtype=torch.uint8), torch.ones(8, 1), torch.ones(8, 1))
+    with pytest.raises(RuntimeError, match="weight codes must be"):
+        native.w4a8_linear(x, torch.zeros(8, 64, dtype=torch.uint8), d, d)  # a Q8 row's width
+    with pytest.raises(RuntimeError, match="weight codes must be"):
+        native.w8a8_linear(x, torch.zeros(8, 64, dtype=torch.uint8), d)  # unsigned codes for Q8_0
+    with pytest.raises(RuntimeError, match="scales must be"):
+        native.w4a8_linear(x, nibbles, torch.ones(8, 3), d)
+    with pytest.raises(RuntimeError, match="mins must be"):
+        native.w4a8_linear(x, nibbles, d, torch.ones(7, 2))
+    with pytest.raises(RuntimeError, match="contiguous fp32"):
+        native.w4a8_linear(x.t().contiguous().t(), nibbles, d, d)
+    with pytest.raises(RuntimeError, match="not avx2, generic"):
+        native.quant_isa("avx512")
