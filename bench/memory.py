@@ -55,14 +55,21 @@ def tensor_bytes(tensors) -> int:
 
 def packed_bytes(llama) -> int:
     """The model's own tensors that are not views of the loaded weights (fused and prepacked copies)."""
-    from inference.precision import Int4Weight  # here: bench.memory times torch's import step by step
+    from inference.precision import CodedWeight, Int4Weight  # here: bench.memory times torch's import step by step
 
-    tied = not llama.lm_head.is_mkldnn and llama.lm_head.data_ptr() == llama.embed.data_ptr()
-    own = [] if tied else [llama.lm_head]
+    def parts(w) -> tuple:  # int4w's and w4a8's weights hold their codes, scales and a dense copy for big batches
+        if isinstance(w, Int4Weight):
+            return w.codes, w.scales_zeros, w.dense
+        if isinstance(w, CodedWeight):
+            return tuple(t for t in (w.codes, w.scale, w.mins, w.dense) if t is not None)
+        return (w,)
+
+    head = llama.lm_head
+    tied = hasattr(head, "is_mkldnn") and not head.is_mkldnn and head.data_ptr() == llama.embed.data_ptr()
+    own = [] if tied else [head]
     for layer in llama.layers:
         own += [layer["qkv"], layer["o"], layer["gate_up"], layer["down"]]
-    # int4w's weights hold their codes, scales and the bf16 copy for big batches
-    own = [t for w in own for t in ((w.codes, w.scales_zeros, w.dense) if isinstance(w, Int4Weight) else (w,))]
+    own = [t for w in own for t in parts(w)]
     return tensor_bytes(own) + tensor_bytes([llama.cos, llama.sin])
 
 

@@ -9,6 +9,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from inference import native
 from inference.memory import bound_gemm_caches
 
 log = logging.getLogger(__name__)
@@ -204,8 +205,6 @@ def _coded_weight(w: torch.Tensor, quant, dense_pack, max_rows: int) -> CodedWei
 
 
 def _coded_linear(dense_linear):
-    from inference import native
-
     def linear(x: torch.Tensor, w) -> torch.Tensor:
         if isinstance(w, CodedWeight):
             if x.shape[0] > w.max_rows:
@@ -261,8 +260,6 @@ def gemm_for(mode: str, device: torch.device, fp32_kernel: str) -> Gemm:
         return Gemm(mode, f"int4pack+{dense.kernel}", dense.pack, _int4_linear(dense.linear), _int4_pack(dense.pack),
                     activations=torch.bfloat16)
     if mode == "w4a8":
-        from inference import native
-
         if device.type != "cpu":
             raise ValueError(f"precision w4a8 runs on the CPU only (inference/native/quant.cpp); use bf16 on {device.type}")
         if not native.fused_available():

@@ -38,3 +38,14 @@ def test_ondemand_quick_ends_with_one_json_line_and_on_demand_holds_more_sequenc
     assert result["reserve_whole_peak_running"] == 3 and result["on_demand_peak_running"] > 3
     assert result["on_demand_stopped_at_eos"] == result["requests"] == 16
     assert result["outputs_match"] is True
+
+
+def test_quant_quick_times_w4a8_beside_fp32_and_ends_with_one_json_line():
+    proc = subprocess.run([sys.executable, "-m", "bench.quant", "--quick", "--rows", "1,8"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "w4a8" in result["modes"] and result["w4a8_isa"] in ("avx2", "generic")
+    for key in ("fp32_ms_rows1", "w4a8_ms_rows1", "w4a8_ms_rows8", "ratio_w4a8_vs_fp32_rows1"):
+        assert isinstance(result[key], (int, float)) and result[key] > 0, (key, result[key])
+    assert isinstance(result["cpu_flags"], list)

@@ -1,0 +1,101 @@
+"""w4a8's matmul (inference/native/quant.cpp) against the dense kernels on the model's own shapes, side by side:
+
+    python -m bench.quant [--rows 1,4,8,32] [--repeats 15] [--threads N] [--quick]
+
+One decode step's products (every layer's fused qkv, o, gate_up and down, and the lm_head; SmolLM2-135M's
+shapes from the served model's config) at each row count, timed in interleaved rounds for: fp32 oneDNN
+prepacked, bf16 oneDNN prepacked (where this CPU prepacks it), int4w (torch's int4pack kernel, bf16 activations)
+and w4a8 (the file's Q4 blocks and the Q8_0 lm_head, int8 activations). Weights are random codes in the file's
+formats: speed only. Prints ms per step's products and each mode's ratio to fp32, then one JSON line.
+"""
+import argparse
+import statistics
+import time
+
+import torch
+
+from bench.common import emit_json, log, print_table
+from inference import native
+from inference.loader import load_model
+from inference.precision import (_coded_weight, _int4_weight, gemm_for, group8_quantize, group_quantize,
+                                 model_shapes, onednn_bf16_prepacks)
+
+
+def modes_for_this_cpu() -> list[str]:
+    return ["fp32"] + (["bf16", "int4w"] if onednn_bf16_prepacks() else []) + ["w4a8"]
+
+
+def packed_products(mode: str, weights: list[torch.Tensor]):
+    """(linear, packed weights) of `mode`, its codes used at any row count (the row switch is what we measure)."""
+    cpu = torch.device("cpu")
+    gemm = gemm_for(mode, cpu, "onednn")
+    if mode == "int4w":
+        dense = gemm_for("bf16", cpu, "onednn")
+        packs = [_int4_weight(w, group_quantize(w), lambda t: None, 1 << 30) for w in weights[:-1]]
+        return gemm.linear, packs + [dense.pack(weights[-1])]
+    if mode == "w4a8":
+        packs = [_coded_weight(w, group_quantize(w), lambda t: None, 1 << 30) for w in weights[:-1]]
+        return gemm.linear, packs + [_coded_weight(weights[-1], group8_quantize(weights[-1]), lambda t: None, 1 << 30)]
+    return gemm.linear, [gemm.pack(w) for w in weights]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,4,8,32")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all CPUs)")
+    parser.add_argument("--quick", action="store_true", help="two layers, 3 repeats")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not native.fused_available():
+        raise SystemExit(f"the native kernels are not built: {native.load_error()} (run `make install`)")
+    config = load_model().config
+    layers = 2 if args.quick else config.num_layers
+    repeats = 3 if args.quick else args.repeats
+    shapes = model_shapes(config)
+    gen = torch.Generator().manual_seed(0)
+    per_layer = [torch.randn(n, k, generator=gen) / k ** 0.5 for n, k in shapes[:-1]]
+    head = torch.randn(*shapes[-1], generator=gen) / shapes[-1][1] ** 0.5
+    modes = modes_for_this_cpu()
+    log(f"modes {modes}, {layers} layers, threads {torch.get_num_threads()}, w4a8 loop {native.quant_isa()}")
+    with torch.inference_mode():
+        packed = {m: packed_products(m, per_layer + [head]) for m in modes}
+        rows_list = [int(r) for r in args.rows.split(",")]
+        times = {(m, r): [] for m in modes for r in rows_list}
+        for r in rows_list:
+            xs = [torch.randn(r, k, generator=gen) for _, k in shapes]
+
+            def step(mode):
+                linear, ws = packed[mode]
+                t0 = time.perf_counter()
+                for _ in range(layers):
+                    for x, w in zip(xs[:-1], ws[:-1]):
+                        linear(x, w)
+                linear(xs[-1], ws[-1])
+                return (time.perf_counter() - t0) * 1e3
+
+            for m in modes:
+                step(m)  # warm-up: oneDNN builds its primitives
+            for _ in range(repeats):  # interleaved rounds: drift on a shared machine hits every mode alike
+                for m in modes:
+                    times[(m, r)].append(step(m))
+    table, result = [], {"threads": torch.get_num_threads(), "layers": layers, "w4a8_isa": native.quant_isa(),
+                         "modes": modes}
+    for r in rows_list:
+        base = statistics.median(times[("fp32", r)])
+        row = {"rows": r}
+        for m in modes:
+            ms = statistics.median(times[(m, r)])
+            row[f"{m}_ms"] = ms
+            result[f"{m}_ms_rows{r}"] = round(ms, 3)
+            if m != "fp32":
+                row[f"{m}/fp32"] = base / ms
+                result[f"ratio_{m}_vs_fp32_rows{r}"] = round(base / ms, 3)
+        table.append(row)
+    print_table(table, title="one decode step's products (ms, median; ratio = fp32 ms / mode ms, higher is faster)")
+    emit_json(result)
+
+
+if __name__ == "__main__":
+    main()
