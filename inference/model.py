@@ -7,7 +7,7 @@ path on the small-M (decode batch) shapes (measured: bench.profile; `KVSERVE_CPU
 it off).
 """
 import logging
-
+import math
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from inference import native
 from inference.attention import BACKENDS, AttentionBatch
-from inference.precision import gemm_for
+from inference.precision import CodedWeight, gemm_for
 from inference.settings import env_choice
 
 log = logging.getLogger(__name__)
@@ -101,11 +101,34 @@ class Llama:
                     down=pack(p + "mlp.down_proj.weight"),
                 )
             )
+        # a decode step's layers in one native call each (w4a8 at its codes' rows): Python's ~20 calls a layer
+        # otherwise outweigh one row's matmuls (tests/inference/test_native_layer.py: the same numbers)
+        native_layers = [self._native_layer_weights(layer) for layer in self.layers] \
+            if precision == "w4a8" and self._fused_norm and attention_backend == "native" else [None]
+        self._native_layers = None if None in native_layers else native_layers
         inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
         angles = torch.outer(torch.arange(c.max_position, dtype=torch.float64), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)
         self.cos = angles.cos().to(device=self.device, dtype=dtype)
         self.sin = angles.sin().to(device=self.device, dtype=dtype)
+
+    @staticmethod
+    def _native_layer_weights(layer: dict) -> list[torch.Tensor] | None:
+        """attn_norm, qkv, o, mlp_norm, gate_up, down as layer.cpp's 14 tensors; None unless every projection
+        is a CodedWeight (a weight the file holds in no block format stays on the Python path)."""
+        coded = [layer[n] for n in ("qkv", "o", "gate_up", "down")]
+        if not all(isinstance(w, CodedWeight) for w in coded):
+            return None
+        empty = torch.empty(0)
+        parts = [[w.codes, w.scale, empty if w.mins is None else w.mins] for w in coded]
+        return [layer["attn_norm"], *parts[0], *parts[1], layer["mlp_norm"], *parts[2], *parts[3]]
+
+    def _native_step(self, rows: int, batch: AttentionBatch, kv) -> bool:
+        """Whether this step runs layer.cpp: every row reads the pool (no fresh prompt), no more rows than the
+        codes take, and the fp32 pool rope_store writes."""
+        return (self._native_layers is not None and not batch.fresh and batch.paged is not None
+                and rows <= self.layers[0]["qkv"].max_rows and kv.data.dtype == torch.float32
+                and kv.data.is_contiguous())
 
     def _rms(self, x, weight):  # same math as x * rsqrt(mean(x^2) + eps) * weight; feeds a matmul
         if self._fused_norm and x.is_contiguous():
@@ -127,6 +150,12 @@ class Llama:
         x = F.embedding(input_ids, self.embed)
         cos2, sin2 = self.cos[positions], self.sin[positions]  # [T, head_dim]
         cos, sin = cos2.unsqueeze(1), sin2.unsqueeze(1)
+        if self._native_step(x.shape[0], batch, kv):
+            scale, eps = 1.0 / math.sqrt(c.head_dim), c.rms_eps
+            for layer_idx, weights in enumerate(self._native_layers):
+                native.decode_layer(x, weights, cos2, sin2, kv.data, layer_idx, batch.slot_pages, batch.slot_offsets,
+                                    batch.paged, scale, c.num_heads, c.num_kv_heads, eps)
+            return x
         fused_rope = self._fused_norm and kv.data.dtype == torch.float32 and kv.data.is_contiguous()
         for layer_idx, layer in enumerate(self.layers):
             h = self._rms(x, layer["attn_norm"])

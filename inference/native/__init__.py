@@ -1,6 +1,6 @@
 """The native CPU kernels: paged attention (paged_attention.cpp), the fused elementwise ops of a layer
-(fused.cpp: RMSNorm; RoPE with the K/V pool write) and precision w4a8's integer matmul of the file's own weight
-blocks (quant.cpp), built by `make install` (`python -m inference.native`) into
+(fused.cpp: RMSNorm; RoPE with the K/V pool write), precision w4a8's integer matmul of the file's own weight
+blocks (quant.cpp) and a whole w4a8 decoder layer of a decode step in one call (layer.cpp), built by `make install` (`python -m inference.native`) into
 inference/native/build/ as one library, loaded here as torch.ops.kvserve_paged.
 
 The build is keyed by a hash of the source, the torch version and the flags, so a stale library is
@@ -23,7 +23,7 @@ from inference.settings import attn_isa_setting
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
-SOURCES = (HERE / "paged_attention.cpp", HERE / "fused.cpp", HERE / "quant.cpp")
+SOURCES = (HERE / "paged_attention.cpp", HERE / "fused.cpp", HERE / "quant.cpp", HERE / "layer.cpp")
 BUILD_DIR = HERE / "build"
 CFLAGS = ["-O3", "-fopenmp", "-fopenmp-simd", "-std=c++17"]
 LDFLAGS = ["-fopenmp"]
@@ -131,3 +131,12 @@ def quant_isa(name: str = "") -> str:
     if not _loaded.get("ok") and not load():
         raise RuntimeError(f"the native kernels are not available: {load_error()}")
     return torch.ops.kvserve_paged.quant_isa(name)
+
+
+def decode_layer(x, weights, cos, sin, pool, layer: int, pages, offsets, paged, scale: float, heads: int,
+                 kv_heads: int, eps: float) -> None:
+    """One w4a8 decoder layer over rows that all read the pool (`paged`: inference.attention.SeqBatch), x
+    updated in place (layer.cpp); `weights`: Llama._native_layer_weights."""
+    torch.ops.kvserve_paged.decode_layer(x, weights, cos, sin, pool, layer, pages, offsets, paged.tables,
+                                         paged.context_lens, paged.query_start, paged.query_len, scale, heads,
+                                         kv_heads, eps)

@@ -1,0 +1,64 @@
+// One decoder layer of a w4a8 step whose rows all read the pool (decode; a chunk continuing its cached
+// prefix), in one call from Python: at one row the layer's ~20 torch calls from Python cost more than its
+// matmuls. The same ops in the same order as inference/model.py's loop (so the same numbers, bit for bit:
+// tests/inference/test_native_layer.py): RMSNorm, qkv, RoPE + K/V write, paged attention, o + residual, RMSNorm,
+// gate|up, SiLU * up, down + residual. Each op is the library's own, called through the dispatcher.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <vector>
+
+namespace {
+
+using Tensor = at::Tensor;
+
+c10::OperatorHandle op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+}
+
+// codes, scale, mins (empty for Q8_0 blocks): a CodedWeight's tensors (inference/precision.py)
+Tensor coded(const Tensor& x, const Tensor& codes, const Tensor& scale, const Tensor& mins) {
+  static const auto w4 = op("kvserve_paged::w4a8_linear").typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&)>();
+  static const auto w8 = op("kvserve_paged::w8a8_linear").typed<Tensor(const Tensor&, const Tensor&, const Tensor&)>();
+  return mins.numel() ? w4.call(x, codes, scale, mins) : w8.call(x, codes, scale);
+}
+
+// x [T, hidden] fp32, updated in place to the layer's output. w: attn_norm, qkv (codes, scale, mins), o (3),
+// mlp_norm, gate_up (3), down (3): 14 tensors (inference.model.Llama._native_layer_weights).
+void decode_layer(Tensor x, const std::vector<Tensor>& w, const Tensor& cos, const Tensor& sin, Tensor pool,
+                  int64_t layer, const Tensor& pages, const Tensor& offsets, const Tensor& tables,
+                  const Tensor& context_lens, const Tensor& query_start, const Tensor& query_len, double scale,
+                  int64_t heads, int64_t kv_heads, double eps) {
+  static const auto rms = op("kvserve_paged::rms_norm").typed<Tensor(const Tensor&, const Tensor&, double, bool)>();
+  static const auto rope_store = op("kvserve_paged::rope_store").typed<Tensor(
+      const Tensor&, const Tensor&, const Tensor&, Tensor, int64_t, const Tensor&, const Tensor&, int64_t, int64_t)>();
+  static const auto attend = op("kvserve_paged::paged_attention").typed<void(
+      const Tensor&, const Tensor&, const Tensor&, int64_t, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+      double)>();
+  TORCH_CHECK(w.size() == 14, "decode_layer: 14 weight tensors, got ", w.size());
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "decode_layer: x must be a "
+              "contiguous fp32 [T, hidden]");
+  const int64_t T = x.size(0), D = pool.size(5);
+  Tensor h = rms.call(x, w[0], eps, false);
+  Tensor qkv = coded(h, w[1], w[2], w[3]);
+  Tensor qk = rope_store.call(qkv, cos, sin, pool, layer, pages, offsets, heads, kv_heads);
+  Tensor q = qk.narrow(1, 0, heads);
+  Tensor attn = at::empty({T, heads, D}, x.options());
+  attend.call(attn, q, pool, layer, tables, context_lens, query_start, query_len, scale);
+  x.add_(coded(attn.view({T, heads * D}), w[4], w[5], w[6]));
+  h = rms.call(x, w[7], eps, false);
+  Tensor gate_up = coded(h, w[8], w[9], w[10]);
+  const int64_t inter = gate_up.size(1) / 2;
+  Tensor act = at::silu(gate_up.narrow(1, 0, inter)).mul_(gate_up.narrow(1, inter, inter)).contiguous();
+  x.add_(coded(act, w[11], w[12], w[13]));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvserve_paged, m) {
+  m.def("decode_layer(Tensor(a!) x, Tensor[] w, Tensor cos, Tensor sin, Tensor(b!) pool, int layer, Tensor pages, "
+        "Tensor offsets, Tensor tables, Tensor context_lens, Tensor query_start, Tensor query_len, float scale, "
+        "int heads, int kv_heads, float eps) -> ()", &decode_layer);
+}
