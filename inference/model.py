@@ -106,6 +106,8 @@ class Llama:
         native_layers = [self._native_layer_weights(layer) for layer in self.layers] \
             if precision == "w4a8" and self._fused_norm and attention_backend == "native" else [None]
         self._native_layers = None if None in native_layers else native_layers
+        self._native_rows = min((self.layers[0][n].max_rows for n in ("qkv", "o", "gate_up", "down")), default=0) \
+            if self._native_layers else 0  # every layer has the same shapes: the first one's rows stand for all
         inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
         angles = torch.outer(torch.arange(c.max_position, dtype=torch.float64), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)
@@ -127,7 +129,7 @@ class Llama:
         """Whether this step runs layer.cpp: every row reads the pool (no fresh prompt), no more rows than the
         codes take, and the fp32 pool rope_store writes."""
         return (self._native_layers is not None and not batch.fresh and batch.paged is not None
-                and rows <= self.layers[0]["qkv"].max_rows and kv.data.dtype == torch.float32
+                and rows <= self._native_rows and kv.data.dtype == torch.float32
                 and kv.data.is_contiguous())
 
     def _rms(self, x, weight):  # same math as x * rsqrt(mean(x^2) + eps) * weight; feeds a matmul

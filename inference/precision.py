@@ -267,7 +267,8 @@ def gemm_for(mode: str, device: torch.device, fp32_kernel: str) -> Gemm:
         # above its rows: bf16 where oneDNN prepacks it (AVX-512 / AMX), else fp32 (bf16 unpacked is slower)
         dense = gemm_for("bf16" if onednn_bf16_prepacks() else "fp32", device, fp32_kernel)
         return Gemm(mode, f"w4a8-{native.quant_isa()}+{dense.kernel}", dense.pack, _coded_linear(dense.linear),
-                    lambda w, quant: _coded_weight(w, quant, dense.pack, w4a8_max_rows()), head_quantize=group8_quantize)
+                    lambda w, quant: _coded_weight(w, quant, dense.pack, w4a8_max_rows(
+                        tuple(w.shape), isinstance(quant, Group8Quant))), head_quantize=group8_quantize)
     raise ValueError(f"precision {mode!r}: one of {MODES}")
 
 
@@ -288,10 +289,12 @@ def int4_max_rows() -> int:
     return best
 
 
-@lru_cache(maxsize=1)
-def w4a8_max_rows() -> int:
-    """The most rows w4a8 multiplies with the file's blocks (quant.cpp): KVSERVE_W4A8_ROWS, or (auto) timed once
-    per process like int4_max_rows against its dense fallback."""
+@lru_cache(maxsize=16)
+def w4a8_max_rows(shape: tuple[int, int] = (1536, 576), q8: bool = False) -> int:
+    """The most rows w4a8 multiplies a weight of `shape` [N, K] with the file's blocks (Q8_0 where `q8`):
+    KVSERVE_W4A8_ROWS, or (auto) timed once per process and shape like int4_max_rows against its dense fallback, at
+    this process's threads: a 1-thread worker's codes beat fp32 at 32 rows where 2 threads' do not, and the big
+    lm_head (memory-bound) keeps its codes to more rows than a layer's projections."""
     from inference.settings import w4a8_rows_setting
 
     pinned = w4a8_rows_setting()
@@ -299,9 +302,11 @@ def w4a8_max_rows() -> int:
         return pinned
     gemm = gemm_for("w4a8", torch.device("cpu"), _cpu_fp32_kernel())
     dense = gemm_for("bf16" if onednn_bf16_prepacks() else "fp32", torch.device("cpu"), _cpu_fp32_kernel())
-    best = _codes_max_rows(gemm.linear, lambda w: _coded_weight(w, group_quantize(w), dense.pack, 1 << 30),
-                           dense.linear)
-    log.info("w4a8: the file's blocks up to %d rows, %s above (KVSERVE_W4A8_ROWS pins it)", best, dense.kernel)
+    quantize = group8_quantize if q8 else group_quantize
+    best = _codes_max_rows(gemm.linear, lambda w: _coded_weight(w, quantize(w), dense.pack, 1 << 30),
+                           dense.linear, shape)
+    log.info("w4a8: the file's %s blocks of a %s weight up to %d rows, %s above (KVSERVE_W4A8_ROWS pins it)",
+             "Q8_0" if q8 else "Q4", list(shape), best, dense.kernel)
     return best
 
 
@@ -309,16 +314,16 @@ def _cpu_fp32_kernel() -> str:
     return "onednn" if torch.backends.mkldnn.is_available() else "blas"
 
 
-def _codes_max_rows(linear, pack_codes, dense_linear) -> int:
-    """The largest of 1, 2, 4, ... 64 rows up to which `linear` over a [1536, 576] weight packed by `pack_codes`
+def _codes_max_rows(linear, pack_codes, dense_linear, shape: tuple[int, int] = (1536, 576)) -> int:
+    """The largest of 1, 2, 4, ... 64 rows up to which `linear` over a `shape` weight packed by `pack_codes`
     (codes at any rows) beats `dense_linear` over its dense copy; 0 where the codes lose even at one row."""
     gen = torch.Generator().manual_seed(0)
-    w = torch.randn(1536, 576, generator=gen) / 24
+    w = torch.randn(*shape, generator=gen) / shape[1] ** 0.5
     best = 0
     with torch.inference_mode():
         packed = pack_codes(w)
         for rows in (1, 2, 4, 8, 16, 32, 64):
-            x = torch.randn(rows, 576, generator=gen)
+            x = torch.randn(rows, shape[1], generator=gen)
             if _median_ms(lambda: linear(x, packed)) >= _median_ms(lambda: dense_linear(x, packed.dense)):
                 break
             best = rows
