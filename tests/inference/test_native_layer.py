@@ -25,7 +25,7 @@ def codes_rows(real_model, monkeypatch):
     real_model.built.clear()
 
 
-def run(real_model, native_layers: bool):
+def run(real_model, native_layers: bool, prompts=PROMPTS):
     """Greedy outputs of PROMPTS, the hidden states every logits call saw, and which forwards ran layer.cpp."""
     model = make_engine(real_model, precision="w4a8").model  # the process's shared w4a8 Llama
     saved = model._native_layers
@@ -36,7 +36,7 @@ def run(real_model, native_layers: bool):
     model._native_step = lambda *args: (paths.append(native_step(*args)), paths[-1])[1]
     model._native_layers = saved if native_layers else None
     try:
-        ids = [real_model.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+        ids = [real_model.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
         outputs = [s.output_ids for s in make_engine(real_model, precision="w4a8").generate(ids, greedy(12))]
     finally:
         del model.logits, model._native_step
@@ -53,6 +53,18 @@ def test_the_native_layer_is_the_python_loop_bit_for_bit(real_model, codes_rows)
     assert all(torch.equal(a, b) for a, b in zip(hid_native, hid_python))
     # the prompts' prefill ran the Python loop (fresh chunks: no pool to read yet), every decode step layer.cpp
     assert paths[0] is False and len(paths) == 12 and all(paths[1:])
+
+
+def test_a_prompt_within_the_codes_rows_is_still_prefilled_by_the_python_loop(real_model, codes_rows):
+    """A fresh prompt has no pages to read yet (its attention is over its own K/V): never layer.cpp's paged path,
+    however few its rows."""
+    codes_rows(64)
+    ids_len = len(real_model.tokenizer.encode_chat([{"role": "user", "content": "Hi"}]))
+    assert ids_len <= 64
+    out_native, hid_native, paths = run(real_model, native_layers=True, prompts=["Hi"])
+    out_python, hid_python, _ = run(real_model, native_layers=False, prompts=["Hi"])
+    assert paths[0] is False and all(paths[1:])
+    assert out_native == out_python and all(torch.equal(a, b) for a, b in zip(hid_native, hid_python))
 
 
 def test_the_native_layer_is_off_where_it_does_not_apply(real_model, codes_rows):
