@@ -125,12 +125,11 @@ class Llama:
         parts = [[w.codes, w.scale, empty if w.mins is None else w.mins] for w in coded]
         return [layer["attn_norm"], *parts[0], *parts[1], layer["mlp_norm"], *parts[2], *parts[3]]
 
-    def _native_step(self, rows: int, batch: AttentionBatch, kv) -> bool:
-        """Whether this step runs layer.cpp: every row reads the pool (no fresh prompt), no more rows than the
-        codes take, and the fp32 pool rope_store writes."""
-        return (self._native_layers is not None and not batch.fresh and batch.paged is not None
-                and rows <= self._native_rows and kv.data.dtype == torch.float32
-                and kv.data.is_contiguous())
+    def _native_step(self, rows: int, batch: AttentionBatch) -> bool:
+        """Whether this step runs layer.cpp: every row reads the pool (no fresh prompt) and no more rows than the
+        codes take. (w4a8 needs an fp32 model, so the pool is the fp32 one rope_store writes; it checks.)"""
+        return self._native_layers is not None and not batch.fresh and batch.paged is not None \
+            and rows <= self._native_rows
 
     def _rms(self, x, weight):  # same math as x * rsqrt(mean(x^2) + eps) * weight; feeds a matmul
         if self._fused_norm and x.is_contiguous():
@@ -152,7 +151,7 @@ class Llama:
         x = F.embedding(input_ids, self.embed)
         cos2, sin2 = self.cos[positions], self.sin[positions]  # [T, head_dim]
         cos, sin = cos2.unsqueeze(1), sin2.unsqueeze(1)
-        if self._native_step(x.shape[0], batch, kv):
+        if self._native_step(x.shape[0], batch):
             scale, eps = 1.0 / math.sqrt(c.head_dim), c.rms_eps
             for layer_idx, weights in enumerate(self._native_layers):
                 native.decode_layer(x, weights, cos2, sin2, kv.data, layer_idx, batch.slot_pages, batch.slot_offsets,

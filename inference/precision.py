@@ -264,8 +264,7 @@ def gemm_for(mode: str, device: torch.device, fp32_kernel: str) -> Gemm:
             raise ValueError(f"precision w4a8 runs on the CPU only (inference/native/quant.cpp); use bf16 on {device.type}")
         if not native.fused_available():
             raise ValueError(f"precision w4a8 needs the native kernels: {native.load_error()}")
-        # above its rows: bf16 where oneDNN prepacks it (AVX-512 / AMX), else fp32 (bf16 unpacked is slower)
-        dense = gemm_for("bf16" if onednn_bf16_prepacks() else "fp32", device, fp32_kernel)
+        dense = _w4a8_dense(device, fp32_kernel)
         return Gemm(mode, f"w4a8-{native.quant_isa()}+{dense.kernel}", dense.pack, _coded_linear(dense.linear),
                     lambda w, quant: _coded_weight(w, quant, dense.pack, w4a8_max_rows(
                         tuple(w.shape), isinstance(quant, Group8Quant))), head_quantize=group8_quantize)
@@ -289,8 +288,14 @@ def int4_max_rows() -> int:
     return best
 
 
+def _w4a8_dense(device: torch.device, fp32_kernel: str) -> Gemm:
+    """What w4a8 runs above its rows: bf16 where oneDNN prepacks it (AVX-512 / AMX), else fp32 (bf16 unpacked is
+    slower)."""
+    return gemm_for("bf16" if onednn_bf16_prepacks() else "fp32", device, fp32_kernel)
+
+
 @lru_cache(maxsize=16)
-def w4a8_max_rows(shape: tuple[int, int] = (1536, 576), q8: bool = False) -> int:
+def w4a8_max_rows(shape: tuple[int, int], q8: bool) -> int:
     """The most rows w4a8 multiplies a weight of `shape` [N, K] with the file's blocks (Q8_0 where `q8`):
     KVSERVE_W4A8_ROWS, or (auto) timed once per process and shape like int4_max_rows against its dense fallback, at
     this process's threads: a 1-thread worker's codes beat fp32 at 32 rows where 2 threads' do not, and the big
@@ -301,7 +306,7 @@ def w4a8_max_rows(shape: tuple[int, int] = (1536, 576), q8: bool = False) -> int
     if pinned is not None:
         return pinned
     gemm = gemm_for("w4a8", torch.device("cpu"), _cpu_fp32_kernel())
-    dense = gemm_for("bf16" if onednn_bf16_prepacks() else "fp32", torch.device("cpu"), _cpu_fp32_kernel())
+    dense = _w4a8_dense(torch.device("cpu"), _cpu_fp32_kernel())
     quantize = group8_quantize if q8 else group_quantize
     best = _codes_max_rows(gemm.linear, lambda w: _coded_weight(w, quantize(w), dense.pack, 1 << 30),
                            dense.linear, shape)

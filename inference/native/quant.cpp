@@ -98,51 +98,39 @@ __attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// RR activation rows (1..ROW_TILE) against outputs [n0, n1): each weight block is loaded (and its nibbles
-// spread) once for all RR rows; per row and block two integer instructions give 8 partial int32 sums. Even and
+// Q8_0: RR activation rows (1..ROW_TILE) against outputs [n0, n1); each weight block is loaded once for all RR
+// rows, |q| multiplies and q's sign moves onto the activations (maddubs takes unsigned x signed bytes). Even and
 // odd blocks add into separate accumulators: one row's loop is otherwise bound by the FMA's latency.
-template <bool Q4, int RR>
-__attribute__((target("avx2,fma"))) inline void block_avx2(const uint8_t* w, const float* d, const float* m,
-                                                            int64_t KB, const int8_t* qa, const float* sa,
-                                                            const float* ssum, int64_t nb, int64_t b, __m256* acc,
-                                                            float* zacc) {
-  __m256i wq;  // Q4: codes 0..15 as unsigned bytes; Q8: the signed codes (|q| multiplies, the sign moves onto qa)
-  if (Q4) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + nb * (QK / 2)));
-    wq = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
-  } else {
-    wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + nb * QK));
-  }
-  const __m256i wabs = Q4 ? wq : _mm256_sign_epi8(wq, wq);
+template <int RR>
+__attribute__((target("avx2,fma"))) inline void block_q8_avx2(const uint8_t* w, const float* d, int64_t KB,
+                                                               const int8_t* qa, const float* sa, int64_t nb,
+                                                               int64_t b, __m256* acc) {
+  const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + nb * QK));
+  const __m256i wabs = _mm256_sign_epi8(wq, wq);
   const float dn = d[nb];
   for (int r = 0; r < RR; ++r) {
-    __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa + (r * KB + b) * QK));
-    if (!Q4) x = _mm256_sign_epi8(x, wq);
+    const __m256i x = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa + (r * KB + b) * QK)), wq);
     const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, x), _mm256_set1_epi16(1));
     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dn * sa[r * KB + b]), acc[r]);
-    if (Q4) zacc[r] += m[nb] * ssum[r * KB + b];
   }
 }
 
-template <bool Q4, int RR>
-__attribute__((target("avx2,fma"))) void tile_avx2(const uint8_t* w, const float* d, const float* m, int64_t N,
-                                                    int64_t KB, const QuantActs& a, int64_t r0, float* out,
-                                                    int64_t n0, int64_t n1) {
+template <int RR>
+__attribute__((target("avx2,fma"))) void tile_q8_avx2(const uint8_t* w, const float* d, int64_t N, int64_t KB,
+                                                       const QuantActs& a, int64_t r0, float* out, int64_t n0,
+                                                       int64_t n1) {
   const int8_t* qa = a.q.data() + r0 * KB * QK;
   const float* sa = a.s.data() + r0 * KB;
-  const float* ssum = a.ssum.data() + r0 * KB;
   for (int64_t n = n0; n < n1; ++n) {
     __m256 even[RR], odd[RR];
-    float zeven[RR], zodd[RR];
-    for (int r = 0; r < RR; ++r) even[r] = odd[r] = _mm256_setzero_ps(), zeven[r] = zodd[r] = 0.f;
+    for (int r = 0; r < RR; ++r) even[r] = odd[r] = _mm256_setzero_ps();
     int64_t b = 0;
     for (; b + 1 < KB; b += 2) {
-      block_avx2<Q4, RR>(w, d, m, KB, qa, sa, ssum, n * KB + b, b, even, zeven);
-      block_avx2<Q4, RR>(w, d, m, KB, qa, sa, ssum, n * KB + b + 1, b + 1, odd, zodd);
+      block_q8_avx2<RR>(w, d, KB, qa, sa, n * KB + b, b, even);
+      block_q8_avx2<RR>(w, d, KB, qa, sa, n * KB + b + 1, b + 1, odd);
     }
-    if (b < KB) block_avx2<Q4, RR>(w, d, m, KB, qa, sa, ssum, n * KB + b, b, even, zeven);
-    for (int r = 0; r < RR; ++r)
-      out[(r0 + r) * N + n] = hsum8(_mm256_add_ps(even[r], odd[r])) + zeven[r] + zodd[r];
+    if (b < KB) block_q8_avx2<RR>(w, d, KB, qa, sa, n * KB + b, b, even);
+    for (int r = 0; r < RR; ++r) out[(r0 + r) * N + n] = hsum8(_mm256_add_ps(even[r], odd[r]));
   }
 }
 
@@ -232,10 +220,10 @@ void rows_avx2(const uint8_t* w, const float* d, const float* m, int64_t N, int6
   }
   for (int64_t r0 = 0; r0 < R; r0 += ROW_TILE) {
     switch (std::min(ROW_TILE, R - r0)) {
-      case 1: tile_avx2<Q4, 1>(w, d, m, N, KB, a, r0, out, n0, n1); break;
-      case 2: tile_avx2<Q4, 2>(w, d, m, N, KB, a, r0, out, n0, n1); break;
-      case 3: tile_avx2<Q4, 3>(w, d, m, N, KB, a, r0, out, n0, n1); break;
-      default: tile_avx2<Q4, 4>(w, d, m, N, KB, a, r0, out, n0, n1); break;
+      case 1: tile_q8_avx2<1>(w, d, N, KB, a, r0, out, n0, n1); break;
+      case 2: tile_q8_avx2<2>(w, d, N, KB, a, r0, out, n0, n1); break;
+      case 3: tile_q8_avx2<3>(w, d, N, KB, a, r0, out, n0, n1); break;
+      default: tile_q8_avx2<4>(w, d, N, KB, a, r0, out, n0, n1); break;
     }
   }
 }
