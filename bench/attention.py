@@ -19,6 +19,7 @@ import torch
 from bench.common import chat_prompts, cpu_flags, emit_json, log, median, print_table
 from inference import native
 from inference.kv_cache import PagePool, cdiv
+from inference.threads import threads_set
 
 PAGE = 16
 
@@ -90,7 +91,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.seqs, args.context, args.repeats = 8, 128, 3
     if args.threads:
-        torch.set_num_threads(args.threads)
+        threads_set(args.threads)
     if not native.load():
         raise SystemExit(f"the kernel is not built: {native.load_error()}")
     model = None

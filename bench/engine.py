@@ -50,6 +50,7 @@ from bench.common import chat_prompts, emit_json, log, median, print_table
 from inference.engine import Engine, EngineConfig
 from inference.loader import load_model, resolve_model_path
 from inference.sequence import SamplingParams, SeqStatus
+from inference.threads import threads_set
 
 
 def workload(tokenizer, quick: bool):
@@ -167,7 +168,7 @@ def main(argv=None) -> int:
     modes = [m.strip() for m in args.precision.split(",") if m.strip()]
     repeats = 1 if args.quick else args.repeats
     if args.threads:
-        torch.set_num_threads(args.threads)
+        threads_set(args.threads)
 
     started = time.perf_counter()
     model = load_model()

@@ -25,6 +25,7 @@ from inference.engine import Engine, EngineConfig
 from inference.grammar import compiler_for
 from inference.loader import load_model
 from inference.sequence import SamplingParams, SeqStatus
+from inference.threads import threads_set
 
 SCHEMA = {"type": "object", "required": ["name", "age", "bio"],
           "properties": {"name": {"type": "string", "maxLength": 32}, "age": {"type": "integer"},
@@ -79,7 +80,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     repeats = 1 if args.quick else args.repeats
     if args.threads:
-        torch.set_num_threads(args.threads)
+        threads_set(args.threads)
     n, hi, new_tokens = (8, 128, 16) if args.quick else (32, 256, 64)
     started = time.perf_counter()
     model = load_model()

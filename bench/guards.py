@@ -46,6 +46,7 @@ from inference.faults import Faults
 from inference.ledger import RedisLedger
 from inference.loader import load_model
 from inference.sequence import SamplingParams
+from inference.threads import threads_set
 
 DEFAULT_REDIS_URL = os.environ.get("KVSERVE_BENCH_REDIS_URL", "redis://127.0.0.1:6379/15")
 GUARDS_OFF = "no_ownership_guard,no_watermark_guard"
@@ -151,7 +152,7 @@ def main(argv=None) -> int:
     repeats = 1 if args.quick else args.repeats
     # a smoke run on a loaded machine: one thread, since an OpenMP barrier waiting on a descheduled
     # second thread can stretch every op to a scheduler tick (measured: 30x slower)
-    torch.set_num_threads(args.threads or (1 if args.quick else os.cpu_count() or 1))
+    threads_set(args.threads or (1 if args.quick else os.cpu_count() or 1))
     n, lo, hi, new_tokens, latency_ops = (4, 16, 64, 8, 100) if args.quick else (16, 16, 256, 64, 1000)
 
     started = time.perf_counter()

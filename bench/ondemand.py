@@ -28,6 +28,7 @@ import random
 import tempfile
 
 from bench.common import emit_json, log, median, now, print_table
+from inference.threads import threads_set
 
 MAX_TOKENS = 1024
 EOS_IDS = 6  # how many token ids end a reply (the tiny vocabulary has 265)
@@ -90,7 +91,7 @@ def main(argv=None) -> int:
     if args.threads:
         import torch
 
-        torch.set_num_threads(args.threads)
+        threads_set(args.threads)
     n = args.requests or (16 if args.quick else 128)
     pages = args.pages or (64 if args.quick else 512)
     max_tokens = args.max_tokens or (256 if args.quick else MAX_TOKENS)

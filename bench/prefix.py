@@ -29,6 +29,7 @@ from inference.engine import Engine, EngineConfig
 from inference.ledger import RedisLedger
 from inference.loader import load_model
 from inference.sequence import SamplingParams
+from inference.threads import threads_set
 
 DEFAULT_REDIS_URL = os.environ.get("KVSERVE_BENCH_REDIS_URL", "redis://127.0.0.1:6379/15")
 SALT_A, SALT_B = "a" * 64, "b" * 64  # what kvserve/chat/salt.py derives for two tenants (any two differ)
@@ -119,7 +120,7 @@ def main(argv=None) -> int:
     parser.add_argument("--redis-url", default=DEFAULT_REDIS_URL)
     parser.add_argument("--threads", type=int, help="torch threads (default: all CPUs; 1 with --quick)")
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads or (1 if args.quick else os.cpu_count() or 1))
+    threads_set(args.threads or (1 if args.quick else os.cpu_count() or 1))
     system_tokens, turns, probes = (200, 3, 40) if args.quick else (1000, 10, 200)
     answer_tokens, prefix_tokens, suffix_tokens, page_size = 16, 64, 4, 16
     started = time.perf_counter()

@@ -30,6 +30,7 @@ from bench.common import cpu_flags, emit_json, log, print_table
 from bench.engine import make_engine, workload
 from inference.loader import load_model
 from inference.sequence import SamplingParams, SeqStatus
+from inference.threads import threads_set
 
 BUCKETS = ("matmul", "attention", "gather", "kv_write", "other_ops", "host")
 
@@ -39,7 +40,7 @@ def bucket_of(name: str) -> str:
         return "attention"
     if name in ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm", "aten::baddbmm",
                 "mkldnn::_linear_pointwise", "aten::_weight_int4pack_mm_for_cpu", "kvserve_paged::w4a8_linear",
-                "kvserve_paged::w8a8_linear"):
+                "kvserve_paged::w8a8_linear", "kvserve_paged::x16_linear"):
         return "matmul"
     if name in ("aten::index_select", "aten::index"):
         return "gather"
@@ -97,7 +98,7 @@ def main(argv=None) -> int:
     parser.add_argument("--precision", default="fp32", help="the engine's matmul precision (inference.precision)")
     args = parser.parse_args(argv)
     if args.threads:
-        torch.set_num_threads(args.threads)
+        threads_set(args.threads)
     model = load_model()
     prompts = workload(model.tokenizer, args.quick)["prompts"][:args.seqs]
     steps = 3 if args.quick else args.steps

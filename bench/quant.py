@@ -19,6 +19,7 @@ from inference import native
 from inference.loader import load_model
 from inference.precision import (_coded_weight, _int4_weight, gemm_for, group8_quantize, group_quantize,
                                  model_shapes, onednn_bf16_prepacks)
+from inference.threads import threads_set
 
 
 def modes_for_this_cpu() -> list[str]:
@@ -47,7 +48,7 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="two layers, 3 repeats")
     args = parser.parse_args(argv)
     if args.threads:
-        torch.set_num_threads(args.threads)
+        threads_set(args.threads)
     if not native.fused_available():
         raise SystemExit(f"the native kernels are not built: {native.load_error()} (run `make install`)")
     config = load_model().config

@@ -25,6 +25,7 @@ from bench.common import chat_prompts, emit_json, log, median, print_table
 from inference.engine import Engine, EngineConfig
 from inference.loader import load_model
 from inference.sequence import SamplingParams, SeqStatus
+from inference.threads import threads_set
 
 TARGET = 0.9
 
@@ -59,7 +60,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     repeats = 2 if args.quick else args.repeats
     if args.threads:
-        torch.set_num_threads(args.threads)
+        threads_set(args.threads)
     started = time.perf_counter()
     if args.tiny:
         from inference.tiny import write_tiny

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from inference import admission
+from inference import admission, native
 from inference.allocator import LocalAllocator, PageAllocator, cache_entry
 from inference.attention import select_backend
 from inference.block_manager import BlockManager, OwnershipViolation, Violation
@@ -527,6 +527,7 @@ class Engine:
                 events.append(self._fail_closed(chunk.seq, exc))
         if not runnable:
             return events
+        native.wake_threads()
         input_ids, positions, batch, sample_rows = self._prepare(runnable)
         hidden = self.model.forward(input_ids, positions, batch, self.pool)
         to_sample = []

@@ -118,8 +118,8 @@ def group_quantize(w: torch.Tensor) -> GroupQuant:
     a served model's codes come from its file, never from here."""
     n, k = w.shape
     g = w.float().reshape(n, k // GROUP, GROUP)
-    lo, hi = g.amin(-1), g.amax(-1)
-    scale = ((hi - lo) / 15).clamp_min(1e-12)
+    lo, hi = g.amin(-1).half().float(), g.amax(-1)  # d and m in fp16, as a file holds them
+    scale = ((hi - lo) / 15).clamp_min(1e-4).half().float()
     q = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8).reshape(n, k)
     return GroupQuant(q, scale, lo + 8 * scale)
 
@@ -143,7 +143,7 @@ def group8_quantize(w: torch.Tensor) -> Group8Quant:
     """Absmax int8 codes of an fp32 weight (Q8_0's rule): for auto's timing and tests only."""
     n, k = w.shape
     g = w.float().reshape(n, k // GROUP, GROUP)
-    scale = (g.abs().amax(-1) / 127).clamp_min(1e-12)
+    scale = (g.abs().amax(-1) / 127).clamp_min(1e-4).half().float()  # d in fp16, as a file holds it
     return Group8Quant((g / scale[..., None]).round().clamp(-127, 127).to(torch.int8).reshape(n, k), scale)
 
 
@@ -182,13 +182,19 @@ def _int4_linear(dense_linear):
 @dataclass(frozen=True)
 class CodedWeight:
     """w4a8's packed weight: the file's blocks for rows <= max_rows (inference/native/quant.cpp), the dense
-    fallback's packed copy above (prefill, big batches). Q4: nibbles uint8 [N, K/2] (the GGUF's byte order), w =
-    scale * code + mins; Q8_0: codes int8 [N, K], w = scale * code, mins None."""
+    fallback's packed copy above (prefill, big batches; None where the codes take every row count). In the file's layout (`x16` False): Q4 nibbles uint8
+    [N, K/2] (the GGUF's byte order), w = scale * code + mins, fp32 scales; Q8_0 codes int8 [N, K], w = scale * code,
+    mins None. In the x16 layout (AVX-512 VNNI CPUs): 16 outputs' codes interleaved per block, uint8 [N/16, K/32,
+    256 | 512] (Q8_0 as code + 128, mins -128 * scale), scales and mins the file's fp16 [N/16, K/32, 16]."""
     codes: torch.Tensor
-    scale: torch.Tensor  # fp32 [N, K / GROUP]
+    scale: torch.Tensor
     mins: torch.Tensor | None
     dense: object
     max_rows: int
+
+    @property
+    def x16(self) -> bool:
+        return self.codes.dim() == 3
 
 
 def _coded_weight(w: torch.Tensor, quant, dense_pack, max_rows: int) -> CodedWeight:
@@ -196,12 +202,36 @@ def _coded_weight(w: torch.Tensor, quant, dense_pack, max_rows: int) -> CodedWei
         raise ValueError(f"codes {list(quant.q.shape)} for a weight {list(w.shape)}")
     n, k = w.shape
     scale = quant.scale.float().contiguous()
-    if isinstance(quant, Group8Quant):
-        return CodedWeight(quant.q.contiguous(), scale, None, dense_pack(w), max_rows)
+    q8 = isinstance(quant, Group8Quant)
+    mins = -128 * scale if q8 else (quant.zero - 8 * quant.scale).float().contiguous()  # GroupQuant's zero is m + 8d
+    dense = dense_pack(w) if max_rows < UNBOUNDED_ROWS else None  # codes at every row count: no dense copy
+    if x16 := _x16_layout(quant.q, scale, mins, q8):
+        return CodedWeight(*x16, dense, max_rows)
+    if q8:
+        return CodedWeight(quant.q.contiguous(), scale, None, dense, max_rows)
     g = quant.q.reshape(n, k // GROUP, GROUP)
     nibbles = (g[..., : GROUP // 2] | (g[..., GROUP // 2:] << 4)).reshape(n, k // 2).contiguous()
-    mins = (quant.zero - 8 * quant.scale).float().contiguous()  # GroupQuant's zero is m + 8d (torch's convention)
-    return CodedWeight(nibbles, scale, mins, dense_pack(w), max_rows)
+    return CodedWeight(nibbles, scale, mins, dense, max_rows)
+
+
+def _x16_layout(q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, q8: bool):
+    """(codes, scale, mins) in quant.cpp's x16 layout, or None where it does not apply: the CPU lacks AVX-512 VNNI
+    (or quant_isa forced a narrower build), N is not a multiple of 16, or a scale or min is not an fp16 value (a
+    file's are; the layout keeps them in fp16, so it is exact or not used)."""
+    n, k = q.shape
+    if native.quant_isa() != "avx512" or n % 16:
+        return None
+    half = [t.half() for t in (scale, mins)]
+    if not all(torch.equal(h.float(), t) for h, t in zip(half, (scale, mins))):
+        return None
+    groups, blocks = n // 16, k // GROUP
+    if q8:  # byte 4o + j of chunk c: code(16g + o, 32b + 4c + j) + 128
+        codes = (q.to(torch.int16) + 128).to(torch.uint8).reshape(groups, 16, blocks, 8, 4).permute(0, 2, 3, 1, 4)
+    else:  # low nibble code(16g + o, 32b + 8c + j), high nibble code(.., 32b + 8c + 4 + j)
+        v = q.reshape(groups, 16, blocks, 4, 2, 4).permute(0, 2, 3, 1, 4, 5)
+        codes = v[..., 0, :] | (v[..., 1, :] << 4)
+    per_block = lambda t: t.reshape(groups, 16, blocks).permute(0, 2, 1).contiguous()  # noqa: E731
+    return codes.reshape(groups, blocks, -1).contiguous(), *(per_block(h) for h in half)
 
 
 def _coded_linear(dense_linear):
@@ -210,6 +240,8 @@ def _coded_linear(dense_linear):
             if x.shape[0] > w.max_rows:
                 return dense_linear(x, w.dense)
             x = x.float().contiguous()  # a fused norm may hand over bf16 when the dense path is bf16
+            if w.x16:
+                return native.x16_linear(x, w.codes, w.scale, w.mins)
             if w.mins is None:
                 return native.w8a8_linear(x, w.codes, w.scale)
             return native.w4a8_linear(x, w.codes, w.scale, w.mins)
@@ -282,7 +314,7 @@ def int4_max_rows() -> int:
     if pinned is not None:
         return pinned
     dense = gemm_for("bf16", torch.device("cpu"), _cpu_fp32_kernel())
-    best = _codes_max_rows(_int4_linear(dense.linear), lambda w: _int4_weight(w, group_quantize(w), dense.pack, 1 << 30),
+    best = _codes_max_rows(_int4_linear(dense.linear), lambda w: _int4_weight(w, group_quantize(w), dense.pack, 64),
                            dense.linear)
     log.info("int4w: 4-bit codes up to %d rows, bf16 above (KVSERVE_INT4_ROWS pins it)", best)
     return best
@@ -308,10 +340,12 @@ def w4a8_max_rows(shape: tuple[int, int], q8: bool) -> int:
     gemm = gemm_for("w4a8", torch.device("cpu"), _cpu_fp32_kernel())
     dense = _w4a8_dense(torch.device("cpu"), _cpu_fp32_kernel())
     quantize = group8_quantize if q8 else group_quantize
-    best = _codes_max_rows(gemm.linear, lambda w: _coded_weight(w, quantize(w), dense.pack, 1 << 30),
-                           dense.linear, shape)
-    log.info("w4a8: the file's %s blocks of a %s weight up to %d rows, %s above (KVSERVE_W4A8_ROWS pins it)",
-             "Q8_0" if q8 else "Q4", list(shape), best, dense.kernel)
+    # a prefill chunk is up to 512 rows (EngineConfig.chunk_size); the lm_head sees one row per sampling sequence
+    top = 64 if q8 else 512
+    best = _codes_max_rows(gemm.linear, lambda w: _coded_weight(w, quantize(w), dense.pack, top), dense.linear,
+                           shape, top)
+    log.info("w4a8: the file's %s blocks of a %s weight up to %s rows, %s above (KVSERVE_W4A8_ROWS pins it)",
+             "Q8_0" if q8 else "Q4", list(shape), "all" if best == UNBOUNDED_ROWS else best, dense.kernel)
     return best
 
 
@@ -319,30 +353,45 @@ def _cpu_fp32_kernel() -> str:
     return "onednn" if torch.backends.mkldnn.is_available() else "blas"
 
 
-def _codes_max_rows(linear, pack_codes, dense_linear, shape: tuple[int, int] = (1536, 576)) -> int:
-    """The largest of 1, 2, 4, ... 64 rows up to which `linear` over a `shape` weight packed by `pack_codes`
-    (codes at any rows) beats `dense_linear` over its dense copy; 0 where the codes lose even at one row."""
+UNBOUNDED_ROWS = 1 << 30  # the codes won at the top of the ladder: they take every row count
+TIMING_BYTES = 8 << 20  # the row ladder's working set of bf16 weights: past a core's L2, as a model's layers are
+
+
+def _codes_max_rows(linear, pack_codes, dense_linear, shape: tuple[int, int] = (1536, 576), top: int = 64) -> int:
+    """The largest of 1, 4, 16, 64 ... `top` rows up to which `linear` over a `shape` weight packed by `pack_codes`
+    (codes at any rows) beats `dense_linear` over its dense copy; 0 where the codes lose even at one row, and
+    UNBOUNDED_ROWS where they still win at `top`. Timed over enough distinct weights of the shape that their dense
+    copies outgrow a core's L2 (TIMING_BYTES), as a model's layers do: one weight, resident, flatters the dense
+    path at few rows, where a step is bound by the bytes it reads (past 16 rows, compute-bound, one copy is timed)."""
     gen = torch.Generator().manual_seed(0)
-    w = torch.randn(*shape, generator=gen) / shape[1] ** 0.5
+    copies = max(1, min(32, -(-TIMING_BYTES // (2 * shape[0] * shape[1]))))
+    ladder = [r for r in (1, 4, 16, 64, 128, 256, 512) if r < top] + [top]
     best = 0
     with torch.inference_mode():
-        packed = pack_codes(w)
-        for rows in (1, 2, 4, 8, 16, 32, 64):
+        packed = [pack_codes(torch.randn(*shape, generator=gen) / shape[1] ** 0.5) for _ in range(copies)]
+        for rows in ladder:
             x = torch.randn(rows, shape[1], generator=gen)
-            if _median_ms(lambda: linear(x, packed)) >= _median_ms(lambda: dense_linear(x, packed.dense)):
-                break
+            repeats, some = (7, packed) if rows <= 16 else (3, packed[:1])  # past 16 rows the products are compute-bound
+            codes_ms, dense_ms = _fastest_ms([lambda: [linear(x, p) for p in some],
+                                              lambda: [dense_linear(x, p.dense) for p in some]], repeats)
+            if codes_ms >= dense_ms:
+                return best
             best = rows
-    return best
+    return UNBOUNDED_ROWS
 
 
-def _median_ms(fn, repeats: int = 7) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def _fastest_ms(fns, repeats: int) -> list[float]:
+    """Each fn's fastest of `repeats` runs (ms), the fns interleaved after one warm-up each: the least disturbed
+    run of each, under the same conditions, so one stall on a shared host does not decide between two kernels."""
+    for fn in fns:
         fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    best = [float("inf")] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            best[i] = min(best[i], (time.perf_counter() - t0) * 1e3)
+    return best
 
 
 # ---- auto ----------------------------------------------------------------------------------------------------

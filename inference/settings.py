@@ -163,9 +163,10 @@ def role_setting(env: Mapping | None = None) -> str | None:
 
 
 def thread_budget_setting(env: Mapping | None = None) -> str:
-    """KVSERVE_THREAD_BUDGET: fixed (the default) or shared (workers on one host lend each other their cores;
-    bench.cores measured it 0.14x of fixed with other load on the host, see bench/RESULTS.md)."""
-    return env_choice("KVSERVE_THREAD_BUDGET", "fixed", ("shared", "fixed"), env)
+    """KVSERVE_THREAD_BUDGET: fixed (the default), lend (workers on one host lend each other their cores for the
+    native kernels) or shared (torch's threads too; bench.cores measured it 0.14x of fixed with other load on the
+    host, see bench/RESULTS.md)."""
+    return env_choice("KVSERVE_THREAD_BUDGET", "fixed", ("lend", "shared", "fixed"), env)
 
 
 def _rows_parsed(name: str, env: Mapping | None) -> int | None:

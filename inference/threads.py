@@ -1,11 +1,13 @@
-"""How many torch intra-op threads this process uses (`KVSERVE_TORCH_THREADS`), set once at start.
+"""How many threads this process computes with: torch's intra-op threads (`KVSERVE_TORCH_THREADS`, set once at
+start) and the native kernels' pool (inference/native/pool.cpp), and the budget workers on one host share.
 
 Workers sharing a host must not oversubscribe its cores: an OpenMP op waits at its barrier for
 every one of its threads, so a thread descheduled by another process's threads stalls the whole op.
 Defaults: a prefill or decode worker starts with half the host's cores (at least one), since `make run`
-puts one of each on the same host; with KVSERVE_THREAD_BUDGET=shared, `CoreBudget` lends it every core while no
-other worker on the host has work;
-anything else (the CLI, benchmarks) takes every core.
+puts one of each on the same host; anything else (the CLI, benchmarks) takes every core. With
+KVSERVE_THREAD_BUDGET=lend, `CoreBudget` lends a worker's native kernels every core while no other worker on the
+host has work (their pool never waits for a helper that another process holds off its core; torch's threads stay
+fixed); with =shared it moves torch's threads too.
 """
 import fcntl
 import logging
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from inference import native
 from inference.settings import env_int, thread_budget_setting
 
 log = logging.getLogger(__name__)
@@ -32,10 +35,17 @@ def torch_threads_for(role: str | None = None, env=None) -> int:
     return max(1, cores // 2) if role in WORKER_ROLES else cores
 
 
-def torch_threads_apply(role: str | None = None) -> int:
-    """Sets torch's intra-op thread count for this process; returns it."""
-    n = torch_threads_for(role)
+def threads_set(n: int) -> int:
+    """Sets torch's intra-op thread count and the native kernels' pool to `n`; returns it."""
     torch.set_num_threads(n)
+    if native.fused_available():
+        native.set_threads(n)
+    return n
+
+
+def torch_threads_apply(role: str | None = None) -> int:
+    """Sets torch's intra-op thread count for this process, and the native kernels' to the same; returns it."""
+    n = threads_set(torch_threads_for(role))
     log.info("torch intra-op threads: %d (%s role, %d cores; KVSERVE_TORCH_THREADS overrides)",
              n, role or "no", os.cpu_count() or 1)
     return n
@@ -43,20 +53,20 @@ def torch_threads_apply(role: str | None = None) -> int:
 
 
 class CoreBudget:
-    """The cores of one host shared by the workers on it (`KVSERVE_THREAD_BUDGET=shared`; default fixed).
+    """The cores of one host shared by the workers on it (`KVSERVE_THREAD_BUDGET=lend` or `shared`; default fixed).
 
     Each worker process holds a slot of a small shared file saying whether it has work. A worker about
     to step takes cores // (live workers with work, itself included): every core while it is the only
     one with work, its share when others have work too. A dead process's slot counts for nothing and is
     taken over. One step of oversubscription at most: a worker that grew gives its cores back at its
-    next step.
+    next step. `torch_too`: torch's intra-op threads follow the budget as well as the native kernels' (shared).
     """
 
     SLOT = struct.Struct("<qq")  # pid, has work (0/1)
     SLOTS = 64
 
-    def __init__(self, path: Path, cores: int, pid: int | None = None):
-        self.path, self.cores = path, cores
+    def __init__(self, path: Path, cores: int, pid: int | None = None, torch_too: bool = True):
+        self.path, self.cores, self.torch_too = path, cores, torch_too
         self._busy = False
         self.pid = os.getpid() if pid is None else pid
         size = self.SLOT.size * self.SLOTS
@@ -100,8 +110,10 @@ class CoreBudget:
 
     def apply(self) -> int:
         n = self.threads_for_step()
-        if n != torch.get_num_threads():
+        if self.torch_too and n != torch.get_num_threads():
             torch.set_num_threads(n)
+        if native.fused_available() and n != native.threads():
+            native.set_threads(n)
         return n
 
     def close(self) -> None:
@@ -122,11 +134,12 @@ def _alive(pid: int) -> bool:
 
 def core_budget_for(role: str, prefix: str, env=None) -> CoreBudget | None:
     """The host's shared budget for a worker, or None where threads stay fixed: KVSERVE_TORCH_THREADS
-    set, KVSERVE_THREAD_BUDGET=fixed, a single core or a process that is not a worker."""
+    set, KVSERVE_THREAD_BUDGET=fixed, a single core or a process that is not a worker. `lend` moves the native
+    kernels' threads only, `shared` torch's too."""
     env = os.environ if env is None else env
     mode = thread_budget_setting(env)
     cores = os.cpu_count() or 1
     if mode == "fixed" or role not in WORKER_ROLES or cores < 2 or env.get("KVSERVE_TORCH_THREADS", "").strip():
         return None
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    return CoreBudget(base / f"kvserve-cores-{os.getuid()}-{prefix}", cores)
+    return CoreBudget(base / f"kvserve-cores-{os.getuid()}-{prefix}", cores, torch_too=mode == "shared")

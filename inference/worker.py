@@ -1,5 +1,6 @@
 """One worker process's engine host: the engine with its Redis-ledger pool, one continuous-batching loop
-thread that owns the engine, and a heartbeat thread (leases, dirty pages, registry, quarantine, and a
+thread that owns the engine, an outbox thread that publishes its output events (the loop never waits for Redis
+to take them: inference/outbox.py), and a heartbeat thread (leases, dirty pages, registry, quarantine, and a
 watchdog on the loop).
 
 Task threads (Celery's threads pool) call `prefill()` / `decode()`, which block until the loop has finished
@@ -24,7 +25,7 @@ import socket
 import threading
 import time
 import uuid
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
@@ -42,6 +43,7 @@ from inference.host_ledger import UNREACHABLE, HostLedger
 from inference.ledger import RedisLedger, check_eviction_policy
 from inference.loader import load_model, model_name
 from inference.metrics import WorkerMetrics
+from inference.outbox import Outbox
 from inference.precision import precision_scope
 from inference.prefill import Exported, prefill_export, prefill_handoff, prefill_refusal
 from inference.probes import PROBES
@@ -61,7 +63,6 @@ LEASE_LOST_ERROR = ("the request's page lease expired before it finished (its wo
 POOL_LOST_ERROR = ("the worker's page pool vanished from Redis (restart, failover or flush); the request was "
                    "stopped, the worker scrubbed its pages and serves again")
 EXIT_LOOP_DEAD = 70  # the process exit status when the engine loop cannot go on
-MAX_OUTBOX = 100_000  # output events kept while Redis is unreachable
 
 
 class WindowTooLarge(Exception):
@@ -253,6 +254,22 @@ def precision_agree(registry: Registry, model, config: EngineConfig) -> str:
     return agreed
 
 
+def resolve(fut: Future | None, result=None, failure: Exception | None = None):
+    """The outbox callback that ends a request's future once its final event went out (None: no future)."""
+    if fut is None:
+        return None
+
+    def then() -> None:
+        try:
+            if failure is not None:
+                fut.set_exception(failure)
+            else:
+                fut.set_result(result)
+        except InvalidStateError:  # it ended meanwhile (the worker stopping failed it)
+            pass
+    return then
+
+
 class WorkerRuntime:
     def __init__(self, role: str, redis, handoff_key: bytes, *, model=None, config: EngineConfig | None = None,
                  options: RuntimeOptions | None = None, node: str = "", on_violation=None, on_reclaim=None, on_lease_lost=None,
@@ -298,9 +315,7 @@ class WorkerRuntime:
         self._futures: dict[str, Future] = {}  # requests this worker runs, by id
         self._pending: TenantQueues[DecodeCommand] = TenantQueues()  # verified decodes waiting for pages
         self._choices: dict[str, ChoiceRun] = {}  # requests of n choices decoding here, by id
-        self._outbox: list[tuple[str, OutputEvent]] = []  # output events Redis has not taken yet
-        self._outbox_batch = uuid.uuid4().hex  # keys the outbox's publish (inference.streams.publish_many)
-        self._answered_batch: str | None = None
+        self.outbox = Outbox(self.outputs, name=f"outbox-{role}")  # output events on their way to Redis
         self._unclean: list[int] = []  # scrubbed pages whose mark_clean Redis has not taken yet
         self._claimed: set[int] = set()  # dirty pages claimed (ledger.take_dirty) and not yet marked clean
         self._claimed_lock = threading.Lock()  # the set, between the loop and the beat
@@ -400,6 +415,7 @@ class WorkerRuntime:
         self._commands.put(StopCommand())
         for t in self._threads:
             t.join(timeout=5)
+        self.outbox.stop()
         if self.cores:
             self.cores.idle()
         for rid, fut in list(self._futures.items()):
@@ -432,12 +448,11 @@ class WorkerRuntime:
 
     def _iterate(self) -> None:
         e = self.engine
-        busy = e.has_work or self._pending or self._outbox or self._unclean or self._pool_down is not None
+        busy = e.has_work or self._pending or self._unclean or self._pool_down is not None
         try:
             self._apply_all(self._drain(0 if e.has_work else 0.05 if busy else 0.5))
             if self._pool_down is not None:
                 return self._register_again()
-            self._flush()
             self._poll_cancels()
             self._mark_clean()
             self._admit_pending()
@@ -629,6 +644,15 @@ class WorkerRuntime:
                                                           index=seq.index)))
             if ev.finished:
                 finished.append(seq)
+        # each violation already failed its request closed in the engine (nothing read, pages scrubbed): the worker
+        # is quarantined and the violation recorded before the request's error event and its end (_finish)
+        for violation in e.take_violations():
+            self.metrics.on_violation(violation.kind)
+            try:
+                self.registry.quarantine(self.worker_id, f"{violation.kind} by {violation.reader}")
+                self.on_violation(self, violation)
+            except Exception:
+                log.exception("recording violation %s", violation)
         self._publish(out)
         refused = self._host.take_refused()
         self._finish(finished, refused, exported)
@@ -637,13 +661,6 @@ class WorkerRuntime:
                 self._lease_lost(rid, ())
         e.pop_finished()
         self._free_bystander()
-        for violation in e.take_violations():  # each already failed its request closed, with its error event
-            self.metrics.on_violation(violation.kind)
-            try:
-                self.registry.quarantine(self.worker_id, f"{violation.kind} by {violation.reader}")
-                self.on_violation(self, violation)
-            except Exception:
-                log.exception("recording violation %s", violation)
 
     def _finish(self, seqs: list[Sequence], refused: set[str], exported: dict | None = None) -> None:
         """Final events and results for sequences that ended this step (`exported`: prefills' KV)."""
@@ -661,16 +678,14 @@ class WorkerRuntime:
                 if fut:
                     fut.set_result(exported[rid])
             else:
-                self._publish([(rid, Done(seq.finish_reason, Usage(seq.num_prompt_tokens, len(seq.output_ids),
-                                                                    seq.cached_tokens)))])
                 if seq.read_record:
                     try:
                         self.outputs.record_read(seq.read_record)
                     except redis_lib.RedisError:
                         log.warning("read record of %s not stored: Redis unreachable", rid)
-                fut = self._futures.pop(rid, None)
-                if fut:
-                    fut.set_result(seq)
+                self._publish([(rid, Done(seq.finish_reason, Usage(seq.num_prompt_tokens, len(seq.output_ids),
+                                                                    seq.cached_tokens)))],
+                              then=resolve(self._futures.pop(rid, None), seq))
 
     def _finish_choice(self, seq: Sequence, refused: set[str]) -> None:
         """One choice ended: a failure fails its whole request (every choice); the last one's end is the request's
@@ -691,10 +706,7 @@ class WorkerRuntime:
         if run is None or not all(s.status is SeqStatus.FINISHED for s in run.seqs):
             return
         del self._choices[rid]
-        self._publish([(rid, run.done())])
-        fut = self._futures.pop(rid, None)
-        if fut:
-            fut.set_result(run.answer())
+        self._publish([(rid, run.done())], then=resolve(self._futures.pop(rid, None), run.answer()))
 
     def _lease_lost(self, rid: str, pages) -> None:
         self._host.forget(rid)
@@ -711,9 +723,7 @@ class WorkerRuntime:
         self.engine.abort(rid, message)
         for cmd in [c for c in self._pending if c.request_id == rid]:
             self._pending.remove(cmd)
-        self._publish([(rid, Error(code, message))])
-        if fut and not fut.done():
-            fut.set_exception(RequestFailed(code, message))
+        self._publish([(rid, Error(code, message))], then=resolve(fut, failure=RequestFailed(code, message)))
 
     def _fail_all(self, code: str, message: str) -> None:
         for rid in list(self._futures):
@@ -781,23 +791,9 @@ class WorkerRuntime:
             self._claimed.difference_update(self._unclean)
         self._unclean = []
 
-    def _publish(self, events: list[tuple[str, OutputEvent]]) -> None:
-        self._outbox.extend(events)
-        self._flush()
-
-    def _flush(self) -> None:
-        if not self._outbox:
-            return
-        try:  # one batch until Redis answers it: a repeat after a lost reply appends nothing twice
-            self.outputs.publish_many(self._outbox, batch=self._outbox_batch, answered=self._answered_batch)
-        except redis_lib.RedisError as exc:
-            if len(self._outbox) > MAX_OUTBOX:  # the batch's head is gone: what follows is a batch of its own
-                del self._outbox[: len(self._outbox) - MAX_OUTBOX]
-                self._outbox_batch = uuid.uuid4().hex
-            log.warning("%d output events wait for Redis: %r", len(self._outbox), exc)
-            return
-        self._outbox = []
-        self._answered_batch, self._outbox_batch = self._outbox_batch, uuid.uuid4().hex
+    def _publish(self, events: list[tuple[str, OutputEvent]], then=None) -> None:
+        """Hands events to the outbox (never waits for Redis); `then` runs once they were attempted."""
+        self.outbox.put(events, then)
 
     def _die(self, reason: str) -> None:
         """The loop cannot go on: fail what it holds, stop being advertised, let the supervisor restart us."""
@@ -806,6 +802,7 @@ class WorkerRuntime:
         self._dying.set()
         self._stop.set()
         log.critical("worker %s: %s; failing its requests, unregistering and exiting", self.worker_id, reason)
+        self.outbox.stop(timeout_s=1.0)  # what the loop streamed goes before the errors
         for rid, fut in list(self._futures.items()):
             try:
                 self.outputs.publish(rid, Error("engine_error", reason))

@@ -23,7 +23,8 @@ from inference.settings import attn_isa_setting
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
-SOURCES = (HERE / "paged_attention.cpp", HERE / "fused.cpp", HERE / "quant.cpp", HERE / "layer.cpp")
+SOURCES = (HERE / "paged_attention.cpp", HERE / "fused.cpp", HERE / "quant.cpp", HERE / "layer.cpp", HERE / "pool.cpp")
+HEADERS = (HERE / "pool.h",)
 BUILD_DIR = HERE / "build"
 CFLAGS = ["-O3", "-fopenmp", "-fopenmp-simd", "-std=c++17"]
 LDFLAGS = ["-fopenmp"]
@@ -31,7 +32,7 @@ _loaded: dict[str, object] = {}
 
 
 def library_name() -> str:
-    h = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES))
+    h = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES + HEADERS))
     h.update(f"{torch.__version__} {' '.join(CFLAGS + LDFLAGS)}".encode())
     return f"kvserve_paged_{h.hexdigest()[:12]}"
 
@@ -126,8 +127,35 @@ def w8a8_linear(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tens
     return torch.ops.kvserve_paged.w8a8_linear(x, q, d)
 
 
+def x16_linear(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """x [R, K] fp32 times weights in quant.cpp's x16 layout (16 outputs interleaved per block; AVX-512 VNNI),
+    activations int8 per 32; fp32 [R, N]."""
+    return torch.ops.kvserve_paged.x16_linear(x, codes, d, m)
+
+
+def set_threads(n: int) -> int:
+    """How many threads the native kernels' jobs may use (pool.cpp: the caller and n - 1 helpers that take
+    chunks when free and are never waited for); returns it."""
+    if not _loaded.get("ok") and not load():
+        raise RuntimeError(f"the native kernels are not available: {load_error()}")
+    return torch.ops.kvserve_paged.set_native_threads(n)
+
+
+def wake_threads() -> None:
+    """A step's jobs are coming: sleeping helpers wake now and spin for them (a step's Python work hides the wake)."""
+    if _loaded.get("ok"):
+        torch.ops.kvserve_paged.pool_wake()
+
+
+def threads() -> int:
+    if not _loaded.get("ok") and not load():
+        return 1
+    return torch.ops.kvserve_paged.native_threads()
+
+
 def quant_isa(name: str = "") -> str:
-    """The build of w4a8's loop in use (avx2 | generic); a name forces one ("best": the CPU's best)."""
+    """The build of w4a8's loop in use (avx512 | avx2 | generic; avx512 packs the x16 layout); a name forces one
+    ("best": the CPU's best)."""
     if not _loaded.get("ok") and not load():
         raise RuntimeError(f"the native kernels are not available: {load_error()}")
     return torch.ops.kvserve_paged.quant_isa(name)

@@ -3,7 +3,6 @@
 // this: ~5 us), RoPE as slice/neg/cat/mul/add and the write as two index_puts. fp32 math, written in fp32 or (for a bf16 matmul's input) straight in bf16,
 // rounded to nearest even as Tensor.to(torch.bfloat16) does, which saves that cast. SiLU*up stays torch's:
 // its vectorized exp beats a plain loop here (measured 9.7 vs 12.4 us at one row).
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
@@ -14,11 +13,16 @@
 #include <cstdint>
 #include <cstring>
 
+#include "pool.h"
+
 namespace {
 
 template <typename Out>
 void rms_rows(const float* x, const float* w, Out* out, int64_t rows, int64_t h, float eps) {
-  at::parallel_for(0, rows, 16, [&](int64_t lo, int64_t hi) {
+  const int64_t chunks = std::min<int64_t>((rows + 15) / 16, 8 * kvs::threads());
+  kvs::parallel_chunks(chunks, [&](int64_t c) {
+    int64_t lo, hi;
+    kvs::chunk_range(rows, chunks, c, &lo, &hi);
     for (int64_t r = lo; r < hi; ++r) {
       const float* xr = x + r * h;
       float ss = 0.f;
@@ -81,7 +85,10 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   float* data = pool.data_ptr<float>();
   const int64_t row = qkv.size(1), kv_stride = S * kv_heads * D;  // K -> V: one [S, KVH, D] block further
   const int64_t page_stride = pool.stride(0), layer_off = layer * pool.stride(1);
-  at::parallel_for(0, T, 8, [&](int64_t lo, int64_t hi) {
+  const int64_t chunks = std::min<int64_t>((T + 7) / 8, 8 * kvs::threads());
+  kvs::parallel_chunks(chunks, [&](int64_t chunk) {
+    int64_t lo, hi;
+    kvs::chunk_range(T, chunks, chunk, &lo, &hi);
     for (int64_t t = lo; t < hi; ++t) {
       const float* x = src + t * row;
       const float* ct = c + t * D;

@@ -18,10 +18,14 @@ c10::OperatorHandle op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
 }
 
-// codes, scale, mins (empty for Q8_0 blocks): a CodedWeight's tensors (inference/precision.py)
+// codes, scale, mins (empty for Q8_0 blocks in the file's layout): a CodedWeight's tensors (inference/precision.py);
+// 3-D codes are the x16 layout
 Tensor coded(const Tensor& x, const Tensor& codes, const Tensor& scale, const Tensor& mins) {
-  static const auto w4 = op("kvserve_paged::w4a8_linear").typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&)>();
+  using Linear4 = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&);
+  static const auto x16 = op("kvserve_paged::x16_linear").typed<Linear4>();
+  static const auto w4 = op("kvserve_paged::w4a8_linear").typed<Linear4>();
   static const auto w8 = op("kvserve_paged::w8a8_linear").typed<Tensor(const Tensor&, const Tensor&, const Tensor&)>();
+  if (codes.dim() == 3) return x16.call(x, codes, scale, mins);
   return mins.numel() ? w4.call(x, codes, scale, mins) : w8.call(x, codes, scale);
 }
 

@@ -11,7 +11,6 @@
 // KVSERVE_ATTN_ISA=avx512|avx2|generic read at load, or the set_isa op): `avx512` (blocks of 16
 // tokens, online softmax, see attend_item_avx512), `avx2` and `generic` (the two-pass loop compiled
 // for x86-64-v3 and for the baseline). No -march flag is used, so the .so runs on any x86-64 CPU.
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -25,6 +24,8 @@
 #include <cstring>
 #include <limits>
 #include <vector>
+
+#include "pool.h"
 
 namespace {
 
@@ -411,15 +412,13 @@ void run_items(const Problem& p, const std::vector<int64_t>& order, int64_t firs
   run_items_generic<DimT>(p, order, first, step);
 }
 
-// Work items longest first, dealt round-robin to the threads: a few long sequences do not leave
-// one thread working alone (a static split of contiguous items did).
+// Work items longest first, each a chunk of the native pool's job: whichever thread is free takes the next
+// longest, so a few long sequences do not leave one thread working alone.
 template <typename DimT>
 void run(const Problem& p, const std::vector<int64_t>& order) {
-  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), order.size()));
+  const int64_t items = static_cast<int64_t>(order.size());
   const Isa isa = current_isa();
-  at::parallel_for(0, nt, 1, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) run_items<DimT>(p, order, t, nt, isa);
-  });
+  kvs::parallel_chunks(items, [&](int64_t at) { run_items<DimT>(p, order, at, items, isa); });
 }
 
 void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& pool, int64_t layer,

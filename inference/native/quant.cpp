@@ -1,13 +1,14 @@
 // Precision w4a8's small-batch matmul: the GGUF's own weight blocks (Q4_0/Q4_1 nibbles, Q8_0 bytes; a scale per
 // 32 weights) times activations quantized per row per 32 to int8 with one fp32 scale (llama.cpp's Q8_1 rule),
-// as integer dot products per block (AVX2: maddubs + madd, 32 products in two instructions) summed in fp32.
+// as integer dot products per block (AVX-512 VNNI: dpbusd, 64 products per instruction; AVX2: maddubs + madd, 32
+// products in two instructions) summed in fp32.
 // One stream reads 4.5-5 bits per weight instead of bf16's 16, and multiplies without widening to floats.
 //
 // Per block b of row r and output n:  sum_i w_i a_i = d_n,b * s_r,b * sum_i q_i qa_i  +  m_n,b * s_r,b * sum_i qa_i
 // (Q4_1: w = d q + m, q in 0..15; Q4_0 is m = -8 d; Q8_0: w = d q, q in -127..127, no m term).
-// Two builds of the loop, chosen at load from the CPU (`avx2`: AVX2 + FMA; `generic`); kvserve_paged::quant_isa
-// reports or forces one (tests run both against the same reference).
-#include <ATen/Parallel.h>
+// Three builds of the loop, chosen at load from the CPU (`avx512`: AVX-512 F/BW/VL/DQ + VNNI; `avx2`: AVX2 + FMA;
+// `generic`); kvserve_paged::quant_isa
+// reports or forces one (tests run each against the same reference).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
@@ -19,6 +20,8 @@
 #include <cstring>
 #include <string>
 #include <vector>
+
+#include "pool.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define KVS_QX86 1
@@ -228,13 +231,107 @@ void rows_avx2(const uint8_t* w, const float* d, const float* m, int64_t N, int6
   }
 }
 
+
+// ---- avx512: the x16 layout, AVX-512 VNNI (vpdpbusd: 64 unsigned x signed byte products into 16 int32 lanes) ----
+// The weights are repacked at load (inference.precision: exact, the codes only move) so that one 64-byte load holds
+// 16 outputs x 4 (Q8) or 8 (Q4) consecutive k: for outputs 16g..16g+15, block b, chunk c, byte 4o + j holds
+//   Q4: code(16g + o, 32b + 8c + j) in its low nibble and code(16g + o, 32b + 8c + 4 + j) in its high one (c < 4);
+//   Q8: code(16g + o, 32b + 4c + j) + 128, unsigned (c < 8), its zero term m = -128 d (computed, not read).
+// d and m are fp16 [N / 16, KB, 16] (the file's own fp16 values). A row's four activation bytes are broadcast and
+// dpbusd sums them into lane o = output 16g + o: no horizontal sums, and a block's scales apply to 16 outputs at
+// once (one cvt and two fmas per block and row). A group's weights stay in L1 while every row tile reads them.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+
+inline int32_t load4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+template <int BITS, int RR>
+void tile_x16(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t KB, const QuantActs& a, int64_t r0,
+              float* out, int64_t N, int64_t g) {
+  constexpr int64_t GB = BITS == 4 ? 256 : 512;  // bytes per block of 16 outputs
+  const int64_t K = KB * QK;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const uint8_t* wg = w + g * KB * GB;
+  const uint16_t* dg = d + g * KB * 16;
+  const uint16_t* mg = m + g * KB * 16;
+  const int8_t* xq = a.q.data() + r0 * K;
+  const float* xs = a.s.data() + r0 * KB;
+  const float* xz = a.ssum.data() + r0 * KB;
+  __m512 acc[RR];
+  for (int r = 0; r < RR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < KB; ++b) {
+    __m512i dot[RR];
+    for (int r = 0; r < RR; ++r) dot[r] = _mm512_setzero_si512();
+    const uint8_t* wb = wg + b * GB;
+    if (BITS == 4) {
+      for (int c = 0; c < 4; ++c) {
+        const __m512i raw = _mm512_loadu_si512(wb + 64 * c);
+        const __m512i lo = _mm512_and_si512(raw, low);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+        for (int r = 0; r < RR; ++r) {
+          const int8_t* x = xq + r * K + b * QK + 8 * c;
+          dot[r] = _mm512_dpbusd_epi32(dot[r], lo, _mm512_set1_epi32(load4(x)));
+          dot[r] = _mm512_dpbusd_epi32(dot[r], hi, _mm512_set1_epi32(load4(x + 4)));
+        }
+      }
+    } else {
+      for (int c = 0; c < 8; ++c) {
+        const __m512i u = _mm512_loadu_si512(wb + 64 * c);
+        for (int r = 0; r < RR; ++r)
+          dot[r] = _mm512_dpbusd_epi32(dot[r], u, _mm512_set1_epi32(load4(xq + r * K + b * QK + 4 * c)));
+      }
+    }
+    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dg + b * 16)));
+    const __m512 mv = BITS == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mg + b * 16)))
+                                : _mm512_mul_ps(dv, _mm512_set1_ps(-128.f));  // Q8's m is -128 d: not read
+    for (int r = 0; r < RR; ++r) {
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(dv, _mm512_set1_ps(xs[r * KB + b])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xz[r * KB + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < RR; ++r) _mm512_storeu_ps(out + (r0 + r) * N + 16 * g, acc[r]);
+}
+
+constexpr int64_t ROW_TILE_X16 = 8;
+
+template <int BITS>
+void groups_x16(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t KB, const QuantActs& a, int64_t R,
+                float* out, int64_t N, int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1; ++g)
+    for (int64_t r0 = 0; r0 < R; r0 += ROW_TILE_X16) {
+      switch (std::min(ROW_TILE_X16, R - r0)) {
+        case 1: tile_x16<BITS, 1>(w, d, m, KB, a, r0, out, N, g); break;
+        case 2: tile_x16<BITS, 2>(w, d, m, KB, a, r0, out, N, g); break;
+        case 3: tile_x16<BITS, 3>(w, d, m, KB, a, r0, out, N, g); break;
+        case 4: tile_x16<BITS, 4>(w, d, m, KB, a, r0, out, N, g); break;
+        case 5: tile_x16<BITS, 5>(w, d, m, KB, a, r0, out, N, g); break;
+        case 6: tile_x16<BITS, 6>(w, d, m, KB, a, r0, out, N, g); break;
+        case 7: tile_x16<BITS, 7>(w, d, m, KB, a, r0, out, N, g); break;
+        default: tile_x16<BITS, 8>(w, d, m, KB, a, r0, out, N, g); break;
+      }
+    }
+}
+
+#pragma GCC pop_options
+
 #endif  // KVS_QX86
 
-enum class QIsa { generic, avx2 };
+enum class QIsa { generic, avx2, avx512 };
+
+const char* qisa_name(QIsa isa) { return isa == QIsa::avx512 ? "avx512" : isa == QIsa::avx2 ? "avx2" : "generic"; }
 
 QIsa best_isa() {
 #ifdef KVS_QX86
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return QIsa::avx2;
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni"))
+    return QIsa::avx512;
+  if (avx2) return QIsa::avx2;
 #endif
   return QIsa::generic;
 }
@@ -265,10 +362,14 @@ at::Tensor coded_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
   float* o = out.data_ptr<float>();
   const QIsa isa = g_isa;
   PairActs pairs;
-  if (Q4 && isa == QIsa::avx2) pairs = pair_acts(a, R, KB);
-  at::parallel_for(0, N, 16, [&](int64_t lo, int64_t hi) {
+  if (Q4 && isa != QIsa::generic) pairs = pair_acts(a, R, KB);
+  const int64_t runs = (N + 15) / 16, chunks = std::min<int64_t>(runs, 32 * kvs::threads());
+  kvs::parallel_chunks(chunks, [&](int64_t c) {
+    int64_t lo, hi;
+    kvs::chunk_range(runs, chunks, c, &lo, &hi);
+    lo *= 16, hi = std::min(N, 16 * hi);
 #ifdef KVS_QX86
-    if (isa == QIsa::avx2) return rows_avx2<Q4>(wp, dp, mp, N, KB, a, &pairs, R, o, lo, hi);
+    if (isa != QIsa::generic) return rows_avx2<Q4>(wp, dp, mp, N, KB, a, &pairs, R, o, lo, hi);
 #endif
     rows_generic<Q4>(wp, dp, mp, N, KB, a, R, o, lo, hi);
   });
@@ -286,15 +387,54 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   return coded_linear<false>(x, q, d, nullptr);
 }
 
-// "" reports the build in use; "avx2" or "generic" forces one (refusing an ISA this CPU lacks); returns the one in use.
+// x fp32 [R, K]; codes uint8 [N / 16, K / 32, 256] (Q4) or [N / 16, K / 32, 512] (Q8_0 as q + 128); d, m fp16
+// [N / 16, K / 32, 16] (the x16 layout above, inference.precision packs it). Returns x @ w.T, fp32 [R, N].
+at::Tensor x16_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
+              "x16_linear: x must be a contiguous fp32 CPU matrix [rows, K]");
+  const int64_t R = x.size(0), K = x.size(1), KB = K / QK;
+  TORCH_CHECK(K % QK == 0, "x16_linear: K = ", K, " is not a multiple of ", QK);
+  TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.size(1) == KB &&
+                  (codes.size(2) == 256 || codes.size(2) == 512),
+              "x16_linear: codes must be contiguous uint8 [N / 16, ", KB, ", 256 (Q4) or 512 (Q8)] for K = ", K);
+  const int64_t G = codes.size(0), N = 16 * G;
+  for (const auto* t : {&d, &m})
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 3 && t->size(0) == G &&
+                    t->size(1) == KB && t->size(2) == 16,
+                "x16_linear: scales and mins must be contiguous fp16 [", G, ", ", KB, ", 16]");
+  TORCH_CHECK(best_isa() == QIsa::avx512, "x16_linear: this CPU lacks AVX-512 VNNI (pack the file's own layout)");
+  at::Tensor out = at::empty({R, N}, x.options());
+  if (R == 0 || N == 0) return out;
+  const QuantActs a = quantize_acts(x.data_ptr<float>(), R, K);
+  const uint8_t* wp = codes.data_ptr<uint8_t>();
+  const auto* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+  const auto* mp = reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>());
+  float* o = out.data_ptr<float>();
+  const bool q4 = codes.size(2) == 256;
+  const int64_t chunks = std::min<int64_t>(G, 8 * kvs::threads());
+  kvs::parallel_chunks(chunks, [&](int64_t c) {
+    int64_t lo, hi;
+    kvs::chunk_range(G, chunks, c, &lo, &hi);
+#ifdef KVS_QX86
+    if (q4) groups_x16<4>(wp, dp, mp, KB, a, R, o, N, lo, hi);
+    else groups_x16<8>(wp, dp, mp, KB, a, R, o, N, lo, hi);
+#endif
+  });
+  return out;
+}
+
+// "" reports the build in use; "avx512", "avx2" or "generic" forces one (refusing an ISA this CPU lacks); "best"
+// the CPU's best; returns the one in use.
 std::string quant_isa(const std::string& name) {
   if (name == "generic") g_isa = QIsa::generic;
-  else if (name == "avx2") {
-    TORCH_CHECK(best_isa() == QIsa::avx2, "quant_isa: this CPU lacks AVX2 + FMA");
-    g_isa = QIsa::avx2;
+  else if (name == "avx2" || name == "avx512") {
+    const QIsa want = name == "avx2" ? QIsa::avx2 : QIsa::avx512;
+    TORCH_CHECK(static_cast<int>(best_isa()) >= static_cast<int>(want), "quant_isa: this CPU lacks ",
+                want == QIsa::avx2 ? "AVX2 + FMA" : "AVX-512 (F, BW, VL, DQ) with VNNI");
+    g_isa = want;
   } else if (name == "best") g_isa = best_isa();
-  else TORCH_CHECK(name.empty(), "quant_isa: ", name, " is not avx2, generic, best or empty");
-  return g_isa == QIsa::avx2 ? "avx2" : "generic";
+  else TORCH_CHECK(name.empty(), "quant_isa: ", name, " is not avx512, avx2, generic, best or empty");
+  return qisa_name(g_isa);
 }
 
 }  // namespace
@@ -302,5 +442,6 @@ std::string quant_isa(const std::string& name) {
 TORCH_LIBRARY_FRAGMENT(kvserve_paged, m) {
   m.def("w4a8_linear(Tensor x, Tensor nibbles, Tensor d, Tensor m) -> Tensor", &w4a8_linear);
   m.def("w8a8_linear(Tensor x, Tensor q, Tensor d) -> Tensor", &w8a8_linear);
+  m.def("x16_linear(Tensor x, Tensor codes, Tensor d, Tensor m) -> Tensor", &x16_linear);
   m.def("quant_isa(str name) -> str", &quant_isa);
 }

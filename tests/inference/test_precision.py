@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 import torch
 
+from inference import native
 from inference.precision import (CONTRACTS, GROUPED, MODES, Agreement, CodedWeight, Gemm, Int4Weight, choose,
                                  compare_logits, gemm_for, group8_quantize, group_quantize, int4_max_rows, model_shapes,
                                  onednn_bf16_prepacks, precision_contract_holds, precision_fingerprint,
@@ -81,12 +82,27 @@ def test_int4w_meets_its_contract_through_the_files_codes(real_model, fp32_runs,
     assert precision_contract_holds("int4w", got), (got, CONTRACTS["int4w"])
 
 
-def test_w4a8_meets_its_contract_through_the_files_codes(real_model, fp32_runs, int4_codes_everywhere):
-    """The file's Q4_1 projections and its Q8_0 lm_head, each times int8 activations (inference/native/quant.cpp)."""
+W4A8_LAYOUTS = ["file"] + (["x16"] if native.fused_available() and native.quant_isa("best") == "avx512" else [])
+
+
+@pytest.fixture(params=W4A8_LAYOUTS)
+def w4a8_layout(request, real_model):
+    """w4a8 packed in the file's own layout (the avx2 / generic loops) or, on AVX-512 VNNI CPUs, the x16 one."""
+    native.quant_isa("best" if request.param == "x16" else "avx2" if native.quant_isa("best") != "generic" else "generic")
+    real_model.built.clear()
+    yield request.param
+    native.quant_isa("best")
+    real_model.built.clear()
+
+
+def test_w4a8_meets_its_contract_through_the_files_codes(real_model, fp32_runs, int4_codes_everywhere, w4a8_layout):
+    """The file's Q4_1 projections and its Q8_0 lm_head, each times int8 activations (inference/native/quant.cpp),
+    in either layout."""
     model = make_engine(real_model, precision="w4a8").model
     gate_up, head = model.layers[0]["gate_up"], model.lm_head
     assert isinstance(gate_up, CodedWeight) and gate_up.mins is not None and gate_up.max_rows == 100000
-    assert isinstance(head, CodedWeight) and head.mins is None and head.codes.dtype == torch.int8
+    assert isinstance(head, CodedWeight) and gate_up.x16 == head.x16 == (w4a8_layout == "x16")
+    assert head.codes.dtype == (torch.uint8 if head.x16 else torch.int8)
     got = agreement_of(real_model, fp32_runs, "w4a8")
     assert precision_contract_holds("w4a8", got), (got, CONTRACTS["w4a8"])
 
@@ -129,9 +145,15 @@ def test_int4w_multiplies_codes_up_to_its_rows_and_bf16_above(monkeypatch):
         int4_max_rows.cache_clear()
 
 
-def test_w4a8_multiplies_the_files_blocks_up_to_its_rows_and_dense_above(monkeypatch):
-    from inference import native
+def coded_product(x, packed: CodedWeight):
+    if packed.x16:
+        return native.x16_linear(x, packed.codes, packed.scale, packed.mins)
+    if packed.mins is None:
+        return native.w8a8_linear(x, packed.codes, packed.scale)
+    return native.w4a8_linear(x, packed.codes, packed.scale, packed.mins)
 
+
+def test_w4a8_multiplies_the_files_blocks_up_to_its_rows_and_dense_above(monkeypatch):
     monkeypatch.setenv("KVSERVE_W4A8_ROWS", "4")
     w4a8_max_rows.cache_clear()
     try:
@@ -145,8 +167,7 @@ def test_w4a8_multiplies_the_files_blocks_up_to_its_rows_and_dense_above(monkeyp
             assert packed.max_rows == 4
             for rows, path in ((1, "codes"), (4, "codes"), (5, "dense"), (32, "dense")):
                 x = torch.randn(rows, 64, generator=gen)
-                codes = (native.w8a8_linear(x, packed.codes, packed.scale) if packed.mins is None
-                         else native.w4a8_linear(x, packed.codes, packed.scale, packed.mins))
+                codes = coded_product(x, packed)
                 want = codes if path == "codes" else dense.linear(x, packed.dense)
                 assert not torch.equal(codes, dense.linear(x, packed.dense))
                 assert torch.equal(gemm.linear(x, packed), want), (rows, path)
@@ -271,3 +292,27 @@ def test_a_non_fp32_mode_needs_an_fp32_model(real_model):
     assert resolve_precision("auto", real_model.config, torch.device("cpu"), torch.bfloat16, "blas").mode == "fp32"
     with pytest.raises(ValueError, match="int8"):
         resolve_precision("int8", real_model.config, torch.device("cpu"), torch.float32, "onednn")
+
+
+def test_the_codes_rows_ladder_stops_where_dense_wins_and_is_unbounded_where_it_never_does(monkeypatch):
+    """_codes_max_rows on injected costs (each product returns its cost; _fastest_ms takes it as the time)."""
+    import types
+
+    import inference.precision as precision
+
+    monkeypatch.setattr(precision, "_fastest_ms", lambda fns, repeats: [sum(fn()) for fn in fns])
+    codes_cost = lambda x, packed: float(x.shape[0])  # noqa: E731  grows with the rows
+    pack = lambda w: types.SimpleNamespace(dense=None)  # noqa: E731
+    assert precision._codes_max_rows(codes_cost, pack, lambda x, d: 40.0, (32, 32), top=512) == 16  # 1, 4, 16 won
+    assert precision._codes_max_rows(codes_cost, pack, lambda x, d: 0.5, (32, 32), top=512) == 0
+    assert precision._codes_max_rows(codes_cost, pack, lambda x, d: 1e9, (32, 32), top=64) == precision.UNBOUNDED_ROWS
+
+
+def test_codes_at_every_row_count_keep_no_dense_copy():
+    from inference.precision import UNBOUNDED_ROWS, _coded_weight
+
+    quant = group_quantize(torch.randn(32, 64))
+    packs = []
+    assert _coded_weight(quant.dequantize(), quant, packs.append, UNBOUNDED_ROWS).dense is None and not packs
+    _coded_weight(quant.dequantize(), quant, packs.append, 64)
+    assert len(packs) == 1

@@ -6,7 +6,8 @@ import sys
 import pytest
 import torch
 
-from inference.threads import CoreBudget, core_budget_for, torch_threads_apply, torch_threads_for
+from inference import native
+from inference.threads import CoreBudget, core_budget_for, threads_set, torch_threads_apply, torch_threads_for
 
 
 def test_workers_take_half_the_cores_and_everything_else_all_of_them():
@@ -86,3 +87,38 @@ def test_apply_sets_the_threads_of_the_calling_thread(tmp_path):
         assert budget.apply() == 1 and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not native.fused_available(), reason="the native library is built by make install")
+def test_a_lent_budget_moves_the_native_kernels_threads_and_leaves_torchs(tmp_path):
+    before, native_before = torch.get_num_threads(), native.threads()
+    try:
+        torch.set_num_threads(1)
+        budget = CoreBudget(tmp_path / "cores", 2, pid=os.getpid(), torch_too=False)
+        assert budget.apply() == 2 and native.threads() == 2 and torch.get_num_threads() == 1
+        other = CoreBudget(tmp_path / "cores", 2, pid=os.getppid(), torch_too=False)
+        other.threads_for_step()
+        assert budget.apply() == 1 and native.threads() == 1 and torch.get_num_threads() == 1
+        other.idle()
+        assert budget.apply() == 2 and native.threads() == 2
+        lent = core_budget_for("decode", f"kvstest-lend-{os.getpid()}", env={"KVSERVE_THREAD_BUDGET": "lend"})
+        try:
+            assert isinstance(lent, CoreBudget) and not lent.torch_too
+        finally:
+            lent.close()
+            lent.path.unlink()
+    finally:
+        torch.set_num_threads(before)
+        native.set_threads(native_before)
+
+
+@pytest.mark.skipif(not native.fused_available(), reason="the native library is built by make install")
+def test_threads_set_sets_torchs_and_the_native_kernels(monkeypatch):
+    before, native_before = torch.get_num_threads(), native.threads()
+    try:
+        assert threads_set(1) == 1 and torch.get_num_threads() == 1 and native.threads() == 1
+        monkeypatch.setenv("KVSERVE_TORCH_THREADS", "2")
+        assert torch_threads_apply("decode") == 2 and native.threads() == 2
+    finally:
+        torch.set_num_threads(before)
+        native.set_threads(native_before)
