@@ -3,10 +3,12 @@
     python -m bench.quant [--rows 1,4,8,32] [--repeats 15] [--threads N] [--quick]
 
 One decode step's products (every layer's fused qkv, o, gate_up and down, and the lm_head; SmolLM2-135M's
-shapes from the served model's config) at each row count, timed in interleaved rounds for: fp32 oneDNN
-prepacked, bf16 oneDNN prepacked (where this CPU prepacks it), int4w (torch's int4pack kernel, bf16 activations)
-and w4a8 (the file's Q4 blocks and the Q8_0 lm_head, int8 activations). Weights are random codes in the file's
-formats: speed only. Prints ms per step's products and each mode's ratio to fp32, then one JSON line.
+shapes from the served model's config, each layer its own weights, as a model's working set is) at each row count,
+timed in interleaved rounds for: fp32 oneDNN prepacked, bf16 oneDNN prepacked (where this CPU prepacks it), int4w
+(torch's int4pack kernel, bf16 activations) and w4a8 (the file's Q4 blocks and the Q8_0 lm_head, int8
+activations: in the x16 layout where the CPU has AVX-512 VNNI, and then also `w4a8-file`, the file's own layout
+and the AVX2 loop, for comparison). Weights are random codes in the file's formats: speed only. Prints ms per
+step's products and each mode's ratio to fp32, then one JSON line.
 """
 import argparse
 import statistics
@@ -23,28 +25,34 @@ from inference.threads import threads_set
 
 
 def modes_for_this_cpu() -> list[str]:
-    return ["fp32"] + (["bf16", "int4w"] if onednn_bf16_prepacks() else []) + ["w4a8"]
+    return (["fp32"] + (["bf16", "int4w"] if onednn_bf16_prepacks() else []) + ["w4a8"]
+            + (["w4a8-file"] if native.quant_isa("best") == "avx512" else []))
 
 
-def packed_products(mode: str, weights: list[torch.Tensor]):
-    """(linear, packed weights) of `mode`, its codes used at any row count (the row switch is what we measure)."""
+def packed_products(mode: str, layers: list[list[torch.Tensor]], head: torch.Tensor):
+    """(linear, [per layer: packed weights], packed head) of `mode`, its codes used at any row count (the row switch
+    is what we measure)."""
     cpu = torch.device("cpu")
-    gemm = gemm_for(mode, cpu, "onednn")
+    gemm = gemm_for(mode.removesuffix("-file"), cpu, "onednn")
     if mode == "int4w":
         dense = gemm_for("bf16", cpu, "onednn")
-        packs = [_int4_weight(w, group_quantize(w), lambda t: None, 1 << 30) for w in weights[:-1]]
-        return gemm.linear, packs + [dense.pack(weights[-1])]
-    if mode == "w4a8":
-        packs = [_coded_weight(w, group_quantize(w), lambda t: None, 1 << 30) for w in weights[:-1]]
-        return gemm.linear, packs + [_coded_weight(weights[-1], group8_quantize(weights[-1]), lambda t: None, 1 << 30)]
-    return gemm.linear, [gemm.pack(w) for w in weights]
+        return gemm.linear, [[_int4_weight(w, group_quantize(w), lambda t: None, 1 << 30) for w in ws]
+                             for ws in layers], dense.pack(head)
+    if mode.startswith("w4a8"):
+        native.quant_isa("avx2" if mode == "w4a8-file" else "best")  # the layout is chosen when packing
+        try:
+            return gemm.linear, [[_coded_weight(w, group_quantize(w), lambda t: None, 1 << 30) for w in ws]
+                                 for ws in layers], _coded_weight(head, group8_quantize(head), lambda t: None, 1 << 30)
+        finally:
+            native.quant_isa("best")
+    return gemm.linear, [[gemm.pack(w) for w in ws] for ws in layers], gemm.pack(head)
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,4,8,32")
     parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all CPUs)")
+    parser.add_argument("--threads", type=int, default=None, help="torch and native threads (default: all CPUs)")
     parser.add_argument("--quick", action="store_true", help="two layers, 3 repeats")
     args = parser.parse_args(argv)
     if args.threads:
@@ -56,24 +64,24 @@ def main(argv=None) -> None:
     repeats = 3 if args.quick else args.repeats
     shapes = model_shapes(config)
     gen = torch.Generator().manual_seed(0)
-    per_layer = [torch.randn(n, k, generator=gen) / k ** 0.5 for n, k in shapes[:-1]]
+    weights = [[torch.randn(n, k, generator=gen) / k ** 0.5 for n, k in shapes[:-1]] for _ in range(layers)]
     head = torch.randn(*shapes[-1], generator=gen) / shapes[-1][1] ** 0.5
     modes = modes_for_this_cpu()
     log(f"modes {modes}, {layers} layers, threads {torch.get_num_threads()}, w4a8 loop {native.quant_isa()}")
     with torch.inference_mode():
-        packed = {m: packed_products(m, per_layer + [head]) for m in modes}
+        packed = {m: packed_products(m, weights, head) for m in modes}
         rows_list = [int(r) for r in args.rows.split(",")]
         times = {(m, r): [] for m in modes for r in rows_list}
         for r in rows_list:
             xs = [torch.randn(r, k, generator=gen) for _, k in shapes]
 
             def step(mode):
-                linear, ws = packed[mode]
+                linear, per_layer, packed_head = packed[mode]
                 t0 = time.perf_counter()
-                for _ in range(layers):
-                    for x, w in zip(xs[:-1], ws[:-1]):
+                for ws in per_layer:
+                    for x, w in zip(xs[:-1], ws):
                         linear(x, w)
-                linear(xs[-1], ws[-1])
+                linear(xs[-1], packed_head)
                 return (time.perf_counter() - t0) * 1e3
 
             for m in modes:
@@ -81,8 +89,8 @@ def main(argv=None) -> None:
             for _ in range(repeats):  # interleaved rounds: drift on a shared machine hits every mode alike
                 for m in modes:
                     times[(m, r)].append(step(m))
-    table, result = [], {"threads": torch.get_num_threads(), "layers": layers, "w4a8_isa": native.quant_isa(),
-                         "modes": modes}
+    table, result = [], {"threads": torch.get_num_threads(), "native_threads": native.threads(), "layers": layers,
+                         "w4a8_isa": native.quant_isa(), "modes": modes}
     for r in rows_list:
         base = statistics.median(times[("fp32", r)])
         row = {"rows": r}

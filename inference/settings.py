@@ -163,10 +163,10 @@ def role_setting(env: Mapping | None = None) -> str | None:
 
 
 def thread_budget_setting(env: Mapping | None = None) -> str:
-    """KVSERVE_THREAD_BUDGET: fixed (the default), lend (workers on one host lend each other their cores for the
-    native kernels) or shared (torch's threads too; bench.cores measured it 0.14x of fixed with other load on the
-    host, see bench/RESULTS.md)."""
-    return env_choice("KVSERVE_THREAD_BUDGET", "fixed", ("lend", "shared", "fixed"), env)
+    """KVSERVE_THREAD_BUDGET: lend (the default: workers on one host lend each other their cores for the native
+    kernels), fixed (each keeps its own) or shared (torch's threads move too); bench.cores measures them side by
+    side (bench/RESULTS.md)."""
+    return env_choice("KVSERVE_THREAD_BUDGET", "lend", ("lend", "shared", "fixed"), env)
 
 
 def _rows_parsed(name: str, env: Mapping | None) -> int | None:

@@ -5,9 +5,9 @@ Workers sharing a host must not oversubscribe its cores: an OpenMP op waits at i
 every one of its threads, so a thread descheduled by another process's threads stalls the whole op.
 Defaults: a prefill or decode worker starts with half the host's cores (at least one), since `make run`
 puts one of each on the same host; anything else (the CLI, benchmarks) takes every core. With
-KVSERVE_THREAD_BUDGET=lend, `CoreBudget` lends a worker's native kernels every core while no other worker on the
-host has work (their pool never waits for a helper that another process holds off its core; torch's threads stay
-fixed); with =shared it moves torch's threads too.
+KVSERVE_THREAD_BUDGET=lend (the default), `CoreBudget` lends a worker's native kernels every core while no other
+worker on the host has work (their pool never waits for a helper that another process holds off its core; torch's
+threads stay fixed); with =shared it moves torch's threads too; with =fixed nothing moves.
 """
 import fcntl
 import logging
@@ -67,7 +67,7 @@ class CoreBudget:
 
     def __init__(self, path: Path, cores: int, pid: int | None = None, torch_too: bool = True):
         self.path, self.cores, self.torch_too = path, cores, torch_too
-        self._busy = False
+        self._busy = self._closed = False
         self.pid = os.getpid() if pid is None else pid
         size = self.SLOT.size * self.SLOTS
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -92,6 +92,8 @@ class CoreBudget:
 
     def threads_for_step(self) -> int:
         """Marks this worker as having work; returns the threads its next step may use."""
+        if self._closed:
+            return 1
         self._mark(True)
         busy = 0
         for i in range(self.SLOTS):
@@ -104,7 +106,7 @@ class CoreBudget:
         self._mark(False)
 
     def _mark(self, busy: bool) -> None:
-        if busy != self._busy:
+        if busy != self._busy and not self._closed:
             self.SLOT.pack_into(self._map, self._mine, self.pid, int(busy))
             self._busy = busy
 
@@ -117,9 +119,26 @@ class CoreBudget:
         return n
 
     def close(self) -> None:
-        """Gives the slot back (a dead process's slot is taken over anyway)."""
+        """Gives the slot back (a dead process's slot is taken over anyway); the last live worker of the host
+        removes the file."""
+        if self._closed:
+            return
         self.SLOT.pack_into(self._map, self._mine, 0, 0)
+        self._closed = True
         self._map.close()
+        try:
+            fd = os.open(self.path, os.O_RDWR)
+        except FileNotFoundError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # no worker claims a slot while we look
+            data = os.read(fd, self.SLOT.size * self.SLOTS)
+            pids = [self.SLOT.unpack_from(data, i * self.SLOT.size)[0] for i in range(len(data) // self.SLOT.size)]
+            if not any(pid and _alive(pid) for pid in pids):
+                os.unlink(self.path)
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
 
 
 def _alive(pid: int) -> bool:
@@ -141,5 +160,10 @@ def core_budget_for(role: str, prefix: str, env=None) -> CoreBudget | None:
     cores = os.cpu_count() or 1
     if mode == "fixed" or role not in WORKER_ROLES or cores < 2 or env.get("KVSERVE_TORCH_THREADS", "").strip():
         return None
+    return CoreBudget(budget_path(prefix), cores, torch_too=mode == "shared")
+
+
+def budget_path(prefix: str) -> Path:
+    """The budget file the workers of one deployment (key prefix) on this host share."""
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    return CoreBudget(base / f"kvserve-cores-{os.getuid()}-{prefix}", cores, torch_too=mode == "shared")
+    return base / f"kvserve-cores-{os.getuid()}-{prefix}"

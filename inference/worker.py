@@ -417,7 +417,7 @@ class WorkerRuntime:
             t.join(timeout=5)
         self.outbox.stop()
         if self.cores:
-            self.cores.idle()
+            self.cores.close()
         for rid, fut in list(self._futures.items()):
             if not fut.done():
                 fut.set_exception(RequestFailed("worker_stopping", "the worker is shutting down"))
@@ -449,6 +449,8 @@ class WorkerRuntime:
     def _iterate(self) -> None:
         e = self.engine
         busy = e.has_work or self._pending or self._unclean or self._pool_down is not None
+        if self.cores and not e.has_work:  # before it waits for a command: its cores are the others' meanwhile
+            self.cores.idle()
         try:
             self._apply_all(self._drain(0 if e.has_work else 0.05 if busy else 0.5))
             if self._pool_down is not None:

@@ -18,9 +18,6 @@
 #include <mutex>
 #include <new>
 #include <thread>
-#include <vector>
-#include <cstdio>
-#include <cstdlib>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -51,7 +48,6 @@ std::atomic<int> g_started{0};
 std::atomic<int> g_sleepers{0};
 std::atomic<bool> g_busy{false};  // a caller holds the pool
 std::mutex g_start_mu;
-std::atomic<int64_t> g_jobs{0}, g_wakes{0}, g_helper_chunks{0}, g_sleeps{0}, g_wait_ns{0}, g_main_chunks{0}, g_stalls{0};
 thread_local bool t_in_chunk = false;
 
 void futex_wait(std::atomic<uint32_t>* word, uint32_t expected) {
@@ -75,7 +71,7 @@ int64_t work(uint32_t gen, bool helper) {
     fn(g_job.ctx.load(std::memory_order_relaxed), static_cast<int64_t>(s & 0xFFFFFFFFu));
     t_in_chunk = false;
     ++ran;
-    if (helper) { g_helper_chunks++; g_job.done.fetch_add(1, std::memory_order_release); }
+    if (helper) g_job.done.fetch_add(1, std::memory_order_release);
     s = g_job.state.load(std::memory_order_acquire);
   }
   return ran;
@@ -96,7 +92,7 @@ void helper_loop(int index) {
         continue;
       }
       g_sleepers.fetch_add(1);  // seq_cst with the poster's bump of g_gen: either it sees a sleeper or we see the job
-      if (g_gen.load() == seen) { g_sleeps++; futex_wait(&g_gen, seen); }
+      if (g_gen.load() == seen) futex_wait(&g_gen, seen);
       g_sleepers.fetch_sub(1);
       spin_until = std::chrono::steady_clock::now() + kWokenSpin;
       i = 0;
@@ -148,23 +144,12 @@ void run_chunks(int64_t chunks, ChunkFn fn, void* ctx) {
   g_job.done.store(0, std::memory_order_relaxed);
   g_job.state.store(static_cast<uint64_t>(gen) << 32, std::memory_order_release);
   g_gen.store(gen);
-  g_jobs++;
-  if (g_sleepers.load() > 0) { g_wakes++; futex_wake_all(&g_gen); }
+  if (g_sleepers.load() > 0) futex_wake_all(&g_gen);
   const int64_t own = work(gen, false);
-  g_main_chunks += own;
-  auto w0 = std::chrono::steady_clock::now();
   for (int i = 0; g_job.done.load(std::memory_order_acquire) < chunks - own; ++i) {
     if (i < 256) KVS_PAUSE();
     else sched_yield();  // the helper's chunk may be waiting for this very core
   }
-  auto wns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - w0).count();
-  g_wait_ns += wns;
-  if (wns > 50000) g_stalls++;
-  static const bool dbg = std::getenv("KVS_POOL_DEBUG") != nullptr;
-  if (dbg && g_jobs % 20000 == 0)
-    fprintf(stderr, "POOL jobs %ld wakes %ld sleeps %ld helper_chunks %ld main_chunks %ld wait_ms %.1f stalls>50us %ld\n",
-            (long)g_jobs.load(), (long)g_wakes.load(), (long)g_sleeps.load(), (long)g_helper_chunks.load(),
-            (long)g_main_chunks.load(), g_wait_ns.load() / 1e6, (long)g_stalls.load());
   g_busy.store(false, std::memory_order_release);
 }
 
@@ -178,7 +163,6 @@ int64_t set_native_threads(int64_t n) {
 
 int64_t native_threads() { return threads(); }
 void pool_wake() { wake(); }
-std::vector<int64_t> pool_stats() { return {g_jobs.load(), g_wakes.load(), g_helper_chunks.load(), g_sleeps.load()}; }
 
 }  // namespace
 }  // namespace kvs
@@ -187,5 +171,4 @@ TORCH_LIBRARY_FRAGMENT(kvserve_paged, m) {
   m.def("set_native_threads(int n) -> int", &kvs::set_native_threads);
   m.def("native_threads() -> int", &kvs::native_threads);
   m.def("pool_wake() -> ()", &kvs::pool_wake);
-  m.def("pool_stats() -> int[]", &kvs::pool_stats);
 }

@@ -18,6 +18,7 @@ import redis
 
 from inference.memory import process_env
 from inference.registry import Registry
+from inference.threads import budget_path
 
 ROOT = Path(__file__).resolve().parents[2]
 TEST_REDIS_URL = os.environ.get("KVSERVE_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
@@ -166,6 +167,7 @@ class Stack:
     def close(self) -> None:
         for name in list(self.procs):
             self.stop(name)
+        budget_path(self.prefix).unlink(missing_ok=True)  # its workers' core budget (a killed worker leaves it)
         try:
             keys = list(self.redis.scan_iter(match=f"{self.prefix}*", count=1000))
         except redis.ConnectionError:  # a Redis of the test's own, already gone

@@ -1,6 +1,7 @@
 """WorkerRuntime in-process against real Redis: the prefill→decode path, the handoff refusals, the
 window check and lease reaping. The Celery processes around it are covered in tests/e2e."""
 import dataclasses
+import os
 import threading
 import time
 
@@ -674,3 +675,26 @@ def test_auto_precision_is_timed_once_per_deployment_and_adopted_by_every_worker
     assert decode.engine.precision == other and decode.info().precision == other
     assert registry.precision_propose(scope, "fp32") == other  # the first proposal stands
     assert runtimes("decode", precision="fp32").engine.precision == "fp32"  # a pinned mode is the worker's own
+
+
+def test_a_worker_without_work_lends_its_cores_before_it_waits_for_the_next_command(redis_client, ledger_prefix,
+                                                                                     tiny_model, tmp_path):
+    """The loop marks itself idle in the host's budget as soon as its engine has nothing to step, not after its wait
+    for a command (up to 0.5 s) ends: with one client a prefill worker otherwise held half the cores most of the
+    time (it waits right after each prefill), and the decode worker never got both."""
+    from inference.threads import CoreBudget
+
+    cores = CoreBudget(tmp_path / "cores", 2)
+    peer = CoreBudget(tmp_path / "cores", 2, pid=os.getppid())  # the host's other worker, with work
+    opts = RuntimeOptions(prefix=ledger_prefix, lease_ttl_s=30, registry_ttl_s=15)
+    rt = WorkerRuntime("prefill", redis_client, KEY, model=tiny_model, options=opts, cores=cores,
+                       config=EngineConfig(num_pages=64, page_size=16, window=1024))
+    try:
+        for i in range(3):
+            rt.prefill(f"r{i}", list(range(10, 50)), greedy(4))
+            wait_until(lambda: peer.threads_for_step() == 2, timeout_s=0.4)  # well inside the 0.5 s wait
+    finally:
+        rt.stop()
+    assert cores.path.exists()  # stop gave its slot back; the peer still holds one
+    peer.close()
+    assert not cores.path.exists()  # the last one out removes the file
