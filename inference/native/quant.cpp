@@ -33,30 +33,72 @@ namespace {
 constexpr int64_t QK = 32;  // weights (and activations) per scale
 constexpr int64_t ROW_TILE = 4;  // activation rows sharing one read of a weight block
 
-// Activations [R, K] as int8 codes per block of 32 (round to nearest of x / s, s = max|x| / 127), with s and
-// s * sum(codes) per block (the Q4 zero term's factor).
+// Activations [R, K] as int8 codes per block of 32 (round to nearest even of x / s, s = max|x| / 127), with s and
+// s * sum(codes) per block (the Q4 zero term's factor). One buffer per calling thread, reused from call to call.
 struct QuantActs {
   std::vector<int8_t> q;
   std::vector<float> s, ssum;
 };
 
-QuantActs quantize_acts(const float* x, int64_t R, int64_t K) {
-  const int64_t KB = K / QK;
-  QuantActs a{std::vector<int8_t>(R * K), std::vector<float>(R * KB), std::vector<float>(R * KB)};
-  for (int64_t rb = 0; rb < R * KB; ++rb) {
-    const float* xb = x + rb * QK;
-    float amax = 0.f;
-    for (int64_t i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(xb[i]));
-    const float s = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-    int32_t sum = 0;
-    for (int64_t i = 0; i < QK; ++i) {
-      const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * inv));
-      a.q[rb * QK + i] = static_cast<int8_t>(v);
-      sum += v;
-    }
-    a.s[rb] = s;
-    a.ssum[rb] = s * static_cast<float>(sum);
+inline void quantize_block(const float* xb, int8_t* q, float* s, float* ssum) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(xb[i]));
+  const float sc = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+  int32_t sum = 0;
+  for (int64_t i = 0; i < QK; ++i) {
+    const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * inv));
+    q[i] = static_cast<int8_t>(v);
+    sum += v;
   }
+  *s = sc;
+  *ssum = sc * static_cast<float>(sum);
+}
+
+#ifdef KVS_QX86
+// The same block, 16 lanes at a time: the same products and the same rounding (to nearest even), so the same codes.
+__attribute__((target("avx512f,avx512bw"))) void quantize_block_avx512(const float* xb, int8_t* q, float* s,
+                                                                      float* ssum) {
+  const __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const float sc = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+  const __m512 iv = _mm512_set1_ps(inv);
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(a, iv), kRound));
+  const __m512i qb = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(b, iv), kRound));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(qb));
+  *s = sc;
+  *ssum = sc * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+}
+#endif
+
+const QuantActs& quantize_acts(const float* x, int64_t R, int64_t K) {
+  const int64_t KB = K / QK;
+  thread_local QuantActs mine;
+  QuantActs& a = mine;  // the caller's buffer, by reference: in the chunks below a helper's own `mine` is another
+  a.q.resize(R * K);
+  a.s.resize(R * KB);
+  a.ssum.resize(R * KB);
+#ifdef KVS_QX86
+  static const bool wide = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+#else
+  constexpr bool wide = false;
+#endif
+  // a prefill chunk's rows are many (512 x 1536 values: ~1 ms on one thread): they go to the pool
+  const int64_t chunks = R * K >= (1 << 15) ? std::min<int64_t>(R, 4 * kvs::threads()) : 1;
+  kvs::parallel_chunks(chunks, [&](int64_t c) {
+    int64_t r0, r1;
+    kvs::chunk_range(R, chunks, c, &r0, &r1);
+    for (int64_t rb = r0 * KB; rb < r1 * KB; ++rb) {
+#ifdef KVS_QX86
+      if (wide) {
+        quantize_block_avx512(x + rb * QK, a.q.data() + rb * QK, &a.s[rb], &a.ssum[rb]);
+        continue;
+      }
+#endif
+      quantize_block(x + rb * QK, a.q.data() + rb * QK, &a.s[rb], &a.ssum[rb]);
+    }
+  });
   return a;
 }
 
@@ -355,7 +397,7 @@ at::Tensor coded_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
                 ": mins must be contiguous fp32 like the scales");
   at::Tensor out = at::empty({R, N}, x.options());
   if (R == 0 || N == 0) return out;
-  const QuantActs a = quantize_acts(x.data_ptr<float>(), R, K);
+  const QuantActs& a = quantize_acts(x.data_ptr<float>(), R, K);
   const uint8_t* wp = static_cast<const uint8_t*>(w.data_ptr());
   const float* dp = d.data_ptr<float>();
   const float* mp = m ? m->data_ptr<float>() : nullptr;
@@ -405,7 +447,7 @@ at::Tensor x16_linear(const at::Tensor& x, const at::Tensor& codes, const at::Te
   TORCH_CHECK(best_isa() == QIsa::avx512, "x16_linear: this CPU lacks AVX-512 VNNI (pack the file's own layout)");
   at::Tensor out = at::empty({R, N}, x.options());
   if (R == 0 || N == 0) return out;
-  const QuantActs a = quantize_acts(x.data_ptr<float>(), R, K);
+  const QuantActs& a = quantize_acts(x.data_ptr<float>(), R, K);
   const uint8_t* wp = codes.data_ptr<uint8_t>();
   const auto* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
   const auto* mp = reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>());

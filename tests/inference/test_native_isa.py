@@ -97,3 +97,17 @@ def test_the_env_knob_is_read_at_load():
     code = "from inference import native; assert not native.load(); print(native.load_error())"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert "KVSERVE_ATTN_ISA" in out.stdout and "avx512" in out.stdout  # the setting named, with its choices
+
+
+@pytest.mark.parametrize("cap", ["default", "avx2"])
+def test_torchs_cpu_capability_caps_every_native_loop(cap):
+    """ATEN_CPU_CAPABILITY, torch's own cap, runs this CPU as a narrower one: attention and w4a8's loop alike (so a
+    benchmark capped to AVX2 measures the AVX2 kernels), never wider than the CPU."""
+    builds = runnable_isas()
+    want = "generic" if cap == "default" else builds[min(1, len(builds) - 1)]
+    env = {k: v for k, v in os.environ.items() if k != "KVSERVE_ATTN_ISA"} | {"ATEN_CPU_CAPABILITY": cap}
+    out = subprocess.run([sys.executable, "-c", "from inference import native; native.load(); "
+                          "print(native.isa(), native.quant_isa())"], env=env, capture_output=True, text=True,
+                         timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == [want, want]
