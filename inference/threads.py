@@ -53,7 +53,7 @@ def torch_threads_apply(role: str | None = None) -> int:
 
 
 class CoreBudget:
-    """The cores of one host shared by the workers on it (`KVSERVE_THREAD_BUDGET=lend` or `shared`; default fixed).
+    """The cores of one host shared by the workers on it (`KVSERVE_THREAD_BUDGET=lend`, the default, or `shared`).
 
     Each worker process holds a slot of a small shared file saying whether it has work. A worker about
     to step takes cores // (live workers with work, itself included): every core while it is the only
