@@ -48,7 +48,6 @@ std::atomic<int> g_started{0};
 std::atomic<int> g_sleepers{0};
 std::atomic<bool> g_busy{false};  // a caller holds the pool
 std::mutex g_start_mu;
-thread_local bool t_in_chunk = false;
 
 void futex_wait(std::atomic<uint32_t>* word, uint32_t expected) {
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT_PRIVATE, expected, nullptr, nullptr, 0);
@@ -67,9 +66,7 @@ int64_t work(uint32_t gen, bool helper) {
   while ((s >> 32) == gen && static_cast<int64_t>(s & 0xFFFFFFFFu) < g_job.total.load(std::memory_order_relaxed)) {
     if (!g_job.state.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
     const ChunkFn fn = g_job.fn.load(std::memory_order_relaxed);
-    t_in_chunk = true;
     fn(g_job.ctx.load(std::memory_order_relaxed), static_cast<int64_t>(s & 0xFFFFFFFFu));
-    t_in_chunk = false;
     ++ran;
     if (helper) g_job.done.fetch_add(1, std::memory_order_release);
     s = g_job.state.load(std::memory_order_acquire);
@@ -132,7 +129,8 @@ void run_chunks(int64_t chunks, ChunkFn fn, void* ctx) {
   const int n = threads();
   bool idle = false;
   if (chunks <= 0) return;
-  if (n <= 1 || chunks == 1 || t_in_chunk || !g_busy.compare_exchange_strong(idle, true)) {
+  // one job at a time: a second caller, or a chunk's own call (the pool is held), runs its chunks itself
+  if (n <= 1 || chunks == 1 || !g_busy.compare_exchange_strong(idle, true)) {
     for (int64_t c = 0; c < chunks; ++c) fn(ctx, c);
     return;
   }

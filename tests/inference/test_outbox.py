@@ -93,3 +93,22 @@ def test_stop_runs_the_callbacks_still_waiting(own_redis):
     box.put([("r", Done("stop"))], then=lambda: ran.append(1))
     box.stop(timeout_s=0.5)
     assert ran == [1]
+
+
+def test_past_its_bound_the_outbox_drops_the_oldest_events_while_redis_is_gone(own_redis):
+    """A worker cut off from Redis keeps at most max_events (its memory is bounded); what it keeps is the newest, as a
+    batch of its own once Redis is back."""
+    out = OutputStream(redis.Redis.from_url(own_redis.url, socket_timeout=1), prefix="kvstest-ob")
+    box = Outbox(out, max_events=3)
+    ended = threading.Event()
+    try:
+        own_redis.stop()
+        box.put([("r", Delta(t)) for t in "abcd"] + [("r", Done("stop"))], then=ended.set)
+        assert ended.wait(60)
+        assert box.pending() == 3
+        own_redis.start()
+        assert box.drain(60)
+    finally:
+        box.stop()
+    assert stream(OutputStream(redis.Redis.from_url(own_redis.url), prefix="kvstest-ob"), "r") == \
+        [Delta("c"), Delta("d"), Done("stop")]
