@@ -40,7 +40,7 @@ def bucket_of(name: str) -> str:
         return "attention"
     if name in ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm", "aten::baddbmm",
                 "mkldnn::_linear_pointwise", "aten::_weight_int4pack_mm_for_cpu", "kvserve_paged::w4a8_linear",
-                "kvserve_paged::w8a8_linear", "kvserve_paged::x16_linear"):
+                "kvserve_paged::w8a8_linear", "kvserve_paged::interleaved_linear"):
         return "matmul"
     if name in ("aten::index_select", "aten::index"):
         return "gather"

@@ -6,9 +6,10 @@ One decode step's products (every layer's fused qkv, o, gate_up and down, and th
 shapes from the served model's config, each layer its own weights, as a model's working set is) at each row count,
 timed in interleaved rounds for: fp32 oneDNN prepacked, bf16 oneDNN prepacked (where this CPU prepacks it), int4w
 (torch's int4pack kernel, bf16 activations) and w4a8 (the file's Q4 blocks and the Q8_0 lm_head, int8
-activations: in the x16 layout where the CPU has AVX-512 VNNI, and then also `w4a8-file`, the file's own layout
-and the AVX2 loop, for comparison). Weights are random codes in the file's formats: speed only. Prints ms per
-step's products and each mode's ratio to fp32, then one JSON line.
+activations, in the widest layout this CPU runs: x16 with AVX-512 VNNI, x8 with AVX2), and beside it each narrower
+w4a8 build: `w4a8-x8` (the AVX2 layout, where the CPU has AVX-512) and `w4a8-file` (the file's own layout with the
+AVX2 loop). Weights are random codes in the file's formats: speed only. Prints ms per step's products and each
+mode's ratio to fp32, then one JSON line.
 """
 import argparse
 import statistics
@@ -17,7 +18,7 @@ import time
 import torch
 
 from bench.common import emit_json, log, print_table
-from inference import native
+from inference import native, precision
 from inference.loader import load_model
 from inference.precision import (_coded_weight, _int4_weight, gemm_for, group8_quantize, group_quantize,
                                  model_shapes, onednn_bf16_prepacks)
@@ -25,26 +26,29 @@ from inference.threads import threads_set
 
 
 def modes_for_this_cpu() -> list[str]:
+    best = native.quant_isa("best")
     return (["fp32"] + (["bf16", "int4w"] if onednn_bf16_prepacks() else []) + ["w4a8"]
-            + (["w4a8-file"] if native.quant_isa("best") == "avx512" else []))
+            + (["w4a8-x8"] if best == "avx512" else []) + (["w4a8-file"] if best in ("avx512", "avx2") else []))
 
 
 def packed_products(mode: str, layers: list[list[torch.Tensor]], head: torch.Tensor):
     """(linear, [per layer: packed weights], packed head) of `mode`, its codes used at any row count (the row switch
     is what we measure)."""
     cpu = torch.device("cpu")
-    gemm = gemm_for(mode.removesuffix("-file"), cpu, "onednn")
+    gemm = gemm_for(mode.split("-")[0], cpu, "onednn")
     if mode == "int4w":
         dense = gemm_for("bf16", cpu, "onednn")
         return gemm.linear, [[_int4_weight(w, group_quantize(w), lambda t: None, 1 << 30) for w in ws]
                              for ws in layers], dense.pack(head)
-    if mode.startswith("w4a8"):
-        native.quant_isa("avx2" if mode == "w4a8-file" else "best")  # the layout is chosen when packing
+    if mode.startswith("w4a8"):  # the layout is chosen when packing; the loop by the layout (the file's: avx2)
+        native.quant_isa("avx2" if mode == "w4a8-x8" else "best")
+        interleaved, precision.INTERLEAVED = precision.INTERLEAVED, {} if mode == "w4a8-file" else precision.INTERLEAVED
         try:
             return gemm.linear, [[_coded_weight(w, group_quantize(w), lambda t: None, 1 << 30) for w in ws]
                                  for ws in layers], _coded_weight(head, group8_quantize(head), lambda t: None, 1 << 30)
         finally:
             native.quant_isa("best")
+            precision.INTERLEAVED = interleaved
     return gemm.linear, [[gemm.pack(w) for w in ws] for ws in layers], gemm.pack(head)
 
 

@@ -182,10 +182,12 @@ def _int4_linear(dense_linear):
 @dataclass(frozen=True)
 class CodedWeight:
     """w4a8's packed weight: the file's blocks for rows <= max_rows (inference/native/quant.cpp), the dense
-    fallback's packed copy above (prefill, big batches; None where the codes take every row count). In the file's layout (`x16` False): Q4 nibbles uint8
-    [N, K/2] (the GGUF's byte order), w = scale * code + mins, fp32 scales; Q8_0 codes int8 [N, K], w = scale * code,
-    mins None. In the x16 layout (AVX-512 VNNI CPUs): 16 outputs' codes interleaved per block, uint8 [N/16, K/32,
-    256 | 512] (Q8_0 as code + 128, mins -128 * scale), scales and mins the file's fp16 [N/16, K/32, 16]."""
+    fallback's packed copy above (prefill, big batches; None where the codes take every row count). In the file's
+    layout (`interleaved` False): Q4 nibbles uint8 [N, K/2] (the GGUF's byte order), w = scale * code + mins, fp32
+    scales; Q8_0 codes int8 [N, K], w = scale * code, mins None. In an interleaved layout, W = 16 (x16, AVX-512 VNNI)
+    or 8 (x8, AVX2) outputs' codes per block side by side, [N/W, K/32, 16 W] uint8 (Q4) or [N/W, K/32, 32 W] (Q8_0:
+    uint8 code + 128 with mins -128 * scale for x16, the file's int8 with mins 0 for x8), scales and mins the
+    file's fp16 [N/W, K/32, W]."""
     codes: torch.Tensor
     scale: torch.Tensor
     mins: torch.Tensor | None
@@ -193,8 +195,9 @@ class CodedWeight:
     max_rows: int
 
     @property
-    def x16(self) -> bool:
-        return self.codes.dim() == 3
+    def interleaved(self) -> int:
+        """W, the outputs per group of an interleaved layout; 0 for the file's layout."""
+        return self.scale.shape[-1] if self.codes.dim() == 3 else 0
 
 
 def _coded_weight(w: torch.Tensor, quant, dense_pack, max_rows: int) -> CodedWeight:
@@ -203,10 +206,10 @@ def _coded_weight(w: torch.Tensor, quant, dense_pack, max_rows: int) -> CodedWei
     n, k = w.shape
     scale = quant.scale.float().contiguous()
     q8 = isinstance(quant, Group8Quant)
-    mins = -128 * scale if q8 else (quant.zero - 8 * quant.scale).float().contiguous()  # GroupQuant's zero is m + 8d
+    mins = torch.zeros_like(scale) if q8 else (quant.zero - 8 * quant.scale).float().contiguous()  # zero is m + 8d
     dense = dense_pack(w) if max_rows < UNBOUNDED_ROWS else None  # codes at every row count: no dense copy
-    if x16 := _x16_layout(quant.q, scale, mins, q8):
-        return CodedWeight(*x16, dense, max_rows)
+    if packed := _interleaved_layout(quant.q, scale, mins, q8):
+        return CodedWeight(*packed, dense, max_rows)
     if q8:
         return CodedWeight(quant.q.contiguous(), scale, None, dense, max_rows)
     g = quant.q.reshape(n, k // GROUP, GROUP)
@@ -214,23 +217,32 @@ def _coded_weight(w: torch.Tensor, quant, dense_pack, max_rows: int) -> CodedWei
     return CodedWeight(nibbles, scale, mins, dense, max_rows)
 
 
-def _x16_layout(q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, q8: bool):
-    """(codes, scale, mins) in quant.cpp's x16 layout, or None where it does not apply: the CPU lacks AVX-512 VNNI
-    (or quant_isa forced a narrower build), N is not a multiple of 16, or a scale or min is not an fp16 value (a
-    file's are; the layout keeps them in fp16, so it is exact or not used)."""
+INTERLEAVED = {"avx512": 16, "avx2": 8}  # quant_isa -> outputs per group of the layout its loop reads
+
+
+def _interleaved_layout(q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, q8: bool):
+    """(codes, scale, mins) in quant.cpp's x16 (AVX-512 VNNI) or x8 (AVX2) layout, or None where neither applies:
+    quant_isa is generic, N is not a multiple of the group, or a scale or min is not an fp16 value (a file's are;
+    the layout keeps them in fp16, so it is exact or not used). Only the codes move: output o of group g, block b,
+    chunk c, byte j of four: Q4 low nibble code(W g + o, 32 b + 8 c + j), high nibble the code 4 further; Q8
+    code(W g + o, 32 b + 4 c + j)."""
     n, k = q.shape
-    if native.quant_isa() != "avx512" or n % 16:
+    width = INTERLEAVED.get(native.quant_isa())
+    if width is None or n % width:
         return None
+    if q8 and width == 16:  # vpdpbusd multiplies unsigned codes: q + 128, and 128 * sum(activations) comes off
+        mins = -128 * scale
     half = [t.half() for t in (scale, mins)]
     if not all(torch.equal(h.float(), t) for h, t in zip(half, (scale, mins))):
         return None
-    groups, blocks = n // 16, k // GROUP
-    if q8:  # byte 4o + j of chunk c: code(16g + o, 32b + 4c + j) + 128
-        codes = (q.to(torch.int16) + 128).to(torch.uint8).reshape(groups, 16, blocks, 8, 4).permute(0, 2, 3, 1, 4)
-    else:  # low nibble code(16g + o, 32b + 8c + j), high nibble code(.., 32b + 8c + 4 + j)
-        v = q.reshape(groups, 16, blocks, 4, 2, 4).permute(0, 2, 3, 1, 4, 5)
+    groups, blocks = n // width, k // GROUP
+    if q8:
+        codes = (q.to(torch.int16) + 128).to(torch.uint8) if width == 16 else q.to(torch.int8)
+        codes = codes.reshape(groups, width, blocks, 8, 4).permute(0, 2, 3, 1, 4)
+    else:
+        v = q.reshape(groups, width, blocks, 4, 2, 4).permute(0, 2, 3, 1, 4, 5)
         codes = v[..., 0, :] | (v[..., 1, :] << 4)
-    per_block = lambda t: t.reshape(groups, 16, blocks).permute(0, 2, 1).contiguous()  # noqa: E731
+    per_block = lambda t: t.reshape(groups, width, blocks).permute(0, 2, 1).contiguous()  # noqa: E731
     return codes.reshape(groups, blocks, -1).contiguous(), *(per_block(h) for h in half)
 
 
@@ -240,8 +252,8 @@ def _coded_linear(dense_linear):
             if x.shape[0] > w.max_rows:
                 return dense_linear(x, w.dense)
             x = x.float().contiguous()  # a fused norm may hand over bf16 when the dense path is bf16
-            if w.x16:
-                return native.x16_linear(x, w.codes, w.scale, w.mins)
+            if w.interleaved:
+                return native.interleaved_linear(x, w.codes, w.scale, w.mins)
             if w.mins is None:
                 return native.w8a8_linear(x, w.codes, w.scale)
             return native.w4a8_linear(x, w.codes, w.scale, w.mins)

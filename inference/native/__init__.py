@@ -147,10 +147,10 @@ def w8a8_linear(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tens
     return torch.ops.kvserve_paged.w8a8_linear(x, q, d)
 
 
-def x16_linear(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """x [R, K] fp32 times weights in quant.cpp's x16 layout (16 outputs interleaved per block; AVX-512 VNNI),
-    activations int8 per 32; fp32 [R, N]."""
-    return torch.ops.kvserve_paged.x16_linear(x, codes, d, m)
+def interleaved_linear(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """x [R, K] fp32 times weights in quant.cpp's x16 (AVX-512 VNNI) or x8 (AVX2) layout (16 or 8 outputs
+    interleaved per block), activations int8 per 32; fp32 [R, N]."""
+    return torch.ops.kvserve_paged.interleaved_linear(x, codes, d, m)
 
 
 def set_threads(n: int) -> int:
@@ -174,8 +174,8 @@ def threads() -> int:
 
 
 def quant_isa(name: str = "") -> str:
-    """The build of w4a8's loop in use (avx512 | avx2 | generic; avx512 packs the x16 layout); a name forces one
-    ("best": the CPU's best)."""
+    """The build of w4a8's loop in use (avx512 | avx2 | generic: packs the x16, the x8 or the file's layout); a name
+    forces one ("best": the CPU's best)."""
     if not _loaded.get("ok") and not load():
         raise RuntimeError(f"the native kernels are not available: {load_error()}")
     return torch.ops.kvserve_paged.quant_isa(name)

@@ -19,13 +19,13 @@ c10::OperatorHandle op(const char* name) {
 }
 
 // codes, scale, mins (empty for Q8_0 blocks in the file's layout): a CodedWeight's tensors (inference/precision.py);
-// 3-D codes are the x16 layout
+// 3-D codes are an interleaved layout (x16 or x8)
 Tensor coded(const Tensor& x, const Tensor& codes, const Tensor& scale, const Tensor& mins) {
   using Linear4 = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&);
-  static const auto x16 = op("kvserve_paged::x16_linear").typed<Linear4>();
+  static const auto interleaved = op("kvserve_paged::interleaved_linear").typed<Linear4>();
   static const auto w4 = op("kvserve_paged::w4a8_linear").typed<Linear4>();
   static const auto w8 = op("kvserve_paged::w8a8_linear").typed<Tensor(const Tensor&, const Tensor&, const Tensor&)>();
-  if (codes.dim() == 3) return x16.call(x, codes, scale, mins);
+  if (codes.dim() == 3) return interleaved.call(x, codes, scale, mins);
   return mins.numel() ? w4.call(x, codes, scale, mins) : w8.call(x, codes, scale);
 }
 

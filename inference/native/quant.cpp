@@ -7,7 +7,8 @@
 // Per block b of row r and output n:  sum_i w_i a_i = d_n,b * s_r,b * sum_i q_i qa_i  +  m_n,b * s_r,b * sum_i qa_i
 // (Q4_1: w = d q + m, q in 0..15; Q4_0 is m = -8 d; Q8_0: w = d q, q in -127..127, no m term).
 // Three builds of the loop, chosen at load from the CPU (`avx512`: AVX-512 F/BW/VL/DQ + VNNI; `avx2`: AVX2 + FMA;
-// `generic`); kvserve_paged::quant_isa
+// `generic`) for the file's layout, and two interleaved layouts that inference.precision packs at load where the
+// CPU runs them (x16: AVX-512 VNNI; x8: AVX2), 16 or 8 outputs per load; kvserve_paged::quant_isa
 // reports or forces one (tests run each against the same reference).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -282,14 +283,14 @@ void rows_avx2(const uint8_t* w, const float* d, const float* m, int64_t N, int6
 // d and m are fp16 [N / 16, KB, 16] (the file's own fp16 values). A row's four activation bytes are broadcast and
 // dpbusd sums them into lane o = output 16g + o: no horizontal sums, and a block's scales apply to 16 outputs at
 // once (one cvt and two fmas per block and row). A group's weights stay in L1 while every row tile reads them.
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
-
-inline int32_t load4(const int8_t* p) {
+inline int32_t load4(const int8_t* p) {  // four activation codes, to broadcast
   int32_t v;
   std::memcpy(&v, p, 4);
   return v;
 }
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
 
 template <int BITS, int RR>
 void tile_x16(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t KB, const QuantActs& a, int64_t r0,
@@ -354,6 +355,88 @@ void groups_x16(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t 
         case 6: tile_x16<BITS, 6>(w, d, m, KB, a, r0, out, N, g); break;
         case 7: tile_x16<BITS, 7>(w, d, m, KB, a, r0, out, N, g); break;
         default: tile_x16<BITS, 8>(w, d, m, KB, a, r0, out, N, g); break;
+      }
+    }
+}
+
+#pragma GCC pop_options
+
+// ---- avx2: the x8 layout, AVX2 without VNNI (maddubs + madd: unsigned x signed byte pairs into int16, into int32) ----
+// 8 outputs per 32-byte load, their chunk bytes as in x16 (byte 4o + j), d and m fp16 [N / 8, KB, 8]:
+//   Q4: low nibble code(8g + o, 32b + 8c + j), high nibble code(.., 32b + 8c + 4 + j) (c < 4): unsigned as they are;
+//       two chunks' maddubs pairs add in int16 (16 products of at most 15 x 127) before one madd;
+//   Q8: code(8g + o, 32b + 4c + j) as the file's int8 (c < 8), no zero term: |code| times the activations carrying
+//       the code's sign (maddubs pairs of at most 2 x 127 x 127 stay in int16), one madd per chunk.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+template <int BITS, int RR>
+void tile_x8(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t KB, const QuantActs& a, int64_t r0,
+             float* out, int64_t N, int64_t g) {
+  constexpr int64_t GB = BITS == 4 ? 128 : 256;  // bytes per block of 8 outputs
+  const int64_t K = KB * QK;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const uint8_t* wg = w + g * KB * GB;
+  const uint16_t* dg = d + g * KB * 8;
+  const uint16_t* mg = m + g * KB * 8;
+  const int8_t* xq = a.q.data() + r0 * K;
+  const float* xs = a.s.data() + r0 * KB;
+  const float* xz = a.ssum.data() + r0 * KB;
+  __m256 acc[RR];
+  for (int r = 0; r < RR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < KB; ++b) {
+    __m256i dot[RR];
+    for (int r = 0; r < RR; ++r) dot[r] = _mm256_setzero_si256();
+    const uint8_t* wb = wg + b * GB;
+    if (BITS == 4) {
+      for (int c = 0; c < 4; c += 2) {
+        const __m256i raw0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c));
+        const __m256i raw1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c + 32));
+        const __m256i lo0 = _mm256_and_si256(raw0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(raw0, 4), low);
+        const __m256i lo1 = _mm256_and_si256(raw1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(raw1, 4), low);
+        for (int r = 0; r < RR; ++r) {
+          const int8_t* x = xq + r * K + b * QK + 8 * c;
+          __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, _mm256_set1_epi32(load4(x))),
+                                       _mm256_maddubs_epi16(hi0, _mm256_set1_epi32(load4(x + 4))));
+          p = _mm256_add_epi16(p, _mm256_maddubs_epi16(lo1, _mm256_set1_epi32(load4(x + 8))));
+          p = _mm256_add_epi16(p, _mm256_maddubs_epi16(hi1, _mm256_set1_epi32(load4(x + 12))));
+          dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(p, ones));
+        }
+      }
+    } else {
+      for (int c = 0; c < 8; ++c) {
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c));
+        const __m256i mag = _mm256_sign_epi8(q, q);
+        for (int r = 0; r < RR; ++r) {
+          const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(load4(xq + r * K + b * QK + 4 * c)), q);
+          dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, x), ones));
+        }
+      }
+    }
+    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dg + b * 8)));
+    for (int r = 0; r < RR; ++r)
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(dv, _mm256_set1_ps(xs[r * KB + b])), acc[r]);
+    if (BITS == 4) {
+      const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mg + b * 8)));
+      for (int r = 0; r < RR; ++r) acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xz[r * KB + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < RR; ++r) _mm256_storeu_ps(out + (r0 + r) * N + 8 * g, acc[r]);
+}
+
+constexpr int64_t ROW_TILE_X8 = 4;
+
+template <int BITS>
+void groups_x8(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t KB, const QuantActs& a, int64_t R,
+               float* out, int64_t N, int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1; ++g)
+    for (int64_t r0 = 0; r0 < R; r0 += ROW_TILE_X8) {
+      switch (std::min(ROW_TILE_X8, R - r0)) {
+        case 1: tile_x8<BITS, 1>(w, d, m, KB, a, r0, out, N, g); break;
+        case 2: tile_x8<BITS, 2>(w, d, m, KB, a, r0, out, N, g); break;
+        case 3: tile_x8<BITS, 3>(w, d, m, KB, a, r0, out, N, g); break;
+        default: tile_x8<BITS, 4>(w, d, m, KB, a, r0, out, N, g); break;
       }
     }
 }
@@ -429,37 +512,49 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   return coded_linear<false>(x, q, d, nullptr);
 }
 
-// x fp32 [R, K]; codes uint8 [N / 16, K / 32, 256] (Q4) or [N / 16, K / 32, 512] (Q8_0 as q + 128); d, m fp16
-// [N / 16, K / 32, 16] (the x16 layout above, inference.precision packs it). Returns x @ w.T, fp32 [R, N].
-at::Tensor x16_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
-              "x16_linear: x must be a contiguous fp32 CPU matrix [rows, K]");
+// x fp32 [R, K] times weights in an interleaved layout of W = 16 (x16, AVX-512 VNNI) or 8 (x8, AVX2) outputs per
+// group: codes [N / W, K / 32, 16 W] uint8 (Q4 nibbles) or [N / W, K / 32, 32 W] (Q8: uint8 code + 128 for x16, the
+// file's int8 for x8); d, m fp16 [N / W, K / 32, W] (inference.precision packs them). Returns x @ w.T, fp32 [R, N].
+at::Tensor interleaved_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m) {
+  const char* op = "interleaved_linear";
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), op,
+              ": x must be a contiguous fp32 CPU matrix [rows, K]");
   const int64_t R = x.size(0), K = x.size(1), KB = K / QK;
-  TORCH_CHECK(K % QK == 0, "x16_linear: K = ", K, " is not a multiple of ", QK);
-  TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.size(1) == KB &&
-                  (codes.size(2) == 256 || codes.size(2) == 512),
-              "x16_linear: codes must be contiguous uint8 [N / 16, ", KB, ", 256 (Q4) or 512 (Q8)] for K = ", K);
-  const int64_t G = codes.size(0), N = 16 * G;
+  TORCH_CHECK(K % QK == 0, op, ": K = ", K, " is not a multiple of ", QK);
+  TORCH_CHECK(d.dim() == 3 && (d.size(2) == 16 || d.size(2) == 8), op, ": scales must be fp16 [groups, K / 32, 16 or 8]");
+  const int64_t W = d.size(2);
+  TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && codes.size(1) == KB &&
+                  (codes.size(2) == 16 * W || codes.size(2) == 32 * W) &&
+                  codes.scalar_type() == (codes.size(2) == 32 * W && W == 8 ? at::kChar : at::kByte),
+              op, ": codes must be contiguous [N / ", W, ", ", KB, ", ", 16 * W, " (Q4, uint8) or ", 32 * W,
+              " (Q8, ", W == 8 ? "int8" : "uint8", ")] for K = ", K);
+  const int64_t G = codes.size(0), N = W * G;
   for (const auto* t : {&d, &m})
     TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 3 && t->size(0) == G &&
-                    t->size(1) == KB && t->size(2) == 16,
-                "x16_linear: scales and mins must be contiguous fp16 [", G, ", ", KB, ", 16]");
-  TORCH_CHECK(best_isa() == QIsa::avx512, "x16_linear: this CPU lacks AVX-512 VNNI (pack the file's own layout)");
+                    t->size(1) == KB && t->size(2) == W,
+                op, ": scales and mins must be contiguous fp16 [", G, ", ", KB, ", ", W, "]");
+  TORCH_CHECK(static_cast<int>(best_isa()) >= static_cast<int>(W == 16 ? QIsa::avx512 : QIsa::avx2), op,
+              ": this CPU lacks ", W == 16 ? "AVX-512 VNNI" : "AVX2", " for the x", W, " layout (pack another)");
   at::Tensor out = at::empty({R, N}, x.options());
   if (R == 0 || N == 0) return out;
   const QuantActs& a = quantize_acts(x.data_ptr<float>(), R, K);
-  const uint8_t* wp = codes.data_ptr<uint8_t>();
+  const auto* wp = static_cast<const uint8_t*>(codes.data_ptr());
   const auto* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
   const auto* mp = reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>());
   float* o = out.data_ptr<float>();
-  const bool q4 = codes.size(2) == 256;
+  const bool q4 = codes.size(2) == 16 * W;
   const int64_t chunks = std::min<int64_t>(G, 8 * kvs::threads());
   kvs::parallel_chunks(chunks, [&](int64_t c) {
     int64_t lo, hi;
     kvs::chunk_range(G, chunks, c, &lo, &hi);
 #ifdef KVS_QX86
-    if (q4) groups_x16<4>(wp, dp, mp, KB, a, R, o, N, lo, hi);
-    else groups_x16<8>(wp, dp, mp, KB, a, R, o, N, lo, hi);
+    if (W == 16) {
+      if (q4) groups_x16<4>(wp, dp, mp, KB, a, R, o, N, lo, hi);
+      else groups_x16<8>(wp, dp, mp, KB, a, R, o, N, lo, hi);
+    } else {
+      if (q4) groups_x8<4>(wp, dp, mp, KB, a, R, o, N, lo, hi);
+      else groups_x8<8>(wp, dp, mp, KB, a, R, o, N, lo, hi);
+    }
 #endif
   });
   return out;
@@ -484,6 +579,6 @@ std::string quant_isa(const std::string& name) {
 TORCH_LIBRARY_FRAGMENT(kvserve_paged, m) {
   m.def("w4a8_linear(Tensor x, Tensor nibbles, Tensor d, Tensor m) -> Tensor", &w4a8_linear);
   m.def("w8a8_linear(Tensor x, Tensor q, Tensor d) -> Tensor", &w8a8_linear);
-  m.def("x16_linear(Tensor x, Tensor codes, Tensor d, Tensor m) -> Tensor", &x16_linear);
+  m.def("interleaved_linear(Tensor x, Tensor codes, Tensor d, Tensor m) -> Tensor", &interleaved_linear);
   m.def("quant_isa(str name) -> str", &quant_isa);
 }

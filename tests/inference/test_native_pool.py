@@ -27,8 +27,8 @@ def coded(n, k, q8=False, seed=0):
 
 
 def product(x, p):
-    if p.x16:
-        return native.x16_linear(x, p.codes, p.scale, p.mins)
+    if p.interleaved:
+        return native.interleaved_linear(x, p.codes, p.scale, p.mins)
     if p.mins is None:
         return native.w8a8_linear(x, p.codes, p.scale)
     return native.w4a8_linear(x, p.codes, p.scale, p.mins)

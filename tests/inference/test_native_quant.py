@@ -109,52 +109,60 @@ def test_coded_linear_refuses_what_it_cannot_read():
         native.quant_isa("avx1024")
 
 
-# ---- the x16 layout (AVX-512 VNNI): the same sums from codes repacked 16 outputs at a time ----------------------
-needs_x16 = pytest.mark.skipif(not native.fused_available() or native.quant_isa("best") != "avx512",
-                               reason="the x16 layout needs AVX-512 VNNI")
+# ---- the interleaved layouts (x16: AVX-512 VNNI, x8: AVX2): the same sums from codes repacked W outputs at a time --
+LAYOUTS = [w for w, isa in ((16, "avx512"), (8, "avx2")) if isa in ISAS]  # ISAS: the builds this CPU runs
 
 
-def x16_packed(quant):
+@pytest.fixture(params=LAYOUTS, ids=lambda w: f"x{w}")
+def width(request):
+    """Packs (and so multiplies) the x16 or x8 layout; the widest this CPU runs unless forced narrower."""
+    native.quant_isa("avx512" if request.param == 16 else "avx2")
+    yield request.param
+    native.quant_isa("best")
+
+
+def interleaved(quant, width):
     from inference.precision import _coded_weight
 
     packed = _coded_weight(quant.dequantize(), quant, lambda w: None, 1 << 30)
-    assert packed.x16, "the quantizers' fp16 scales and a width of 16 outputs take the x16 layout"
+    assert packed.interleaved == width, "the quantizers' fp16 scales and a width of W outputs take the layout"
     return packed
 
 
-@needs_x16
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 17])
 @pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0"])
-def test_x16_layout_is_the_blockwise_integer_sum(rows, kind):
+def test_interleaved_layouts_are_the_blockwise_integer_sum(width, rows, kind):
     gen = torch.Generator().manual_seed(rows)
-    n, k = 48, 160  # 3 groups of 16 outputs, 5 blocks
+    n, k = 48, 160  # 3 groups of 16 outputs (6 of 8), 5 blocks
     x = torch.randn(rows, k, generator=gen) * 2
     x[0, :GROUP] = 0
     if kind == "Q8_0":
         quant = group8_quantize(torch.randn(n, k, generator=gen))
+        quant.q[0, :GROUP] = torch.tensor([-127, 127] * 16, dtype=torch.int8)  # the extremes: no int16 sum overflows
         codes, m = quant.q.float(), None
     else:
         quant = group_quantize(torch.randn(n, k, generator=gen))
         if kind == "Q4_0":  # w = d * (q - 8): GroupQuant's zero (m + 8d) is 0
             quant = type(quant)(quant.q, quant.scale, torch.zeros_like(quant.scale))
+        quant.q[0, :GROUP] = 15
         codes, m = quant.q.float(), quant.zero - 8 * quant.scale
-    packed = x16_packed(quant)
-    got = native.x16_linear(x, packed.codes, packed.scale, packed.mins)
+    x[1 % rows, :GROUP] = 127.0  # activations at their extreme too (one block of the second row)
+    packed = interleaved(quant, width)
+    got = native.interleaved_linear(x, packed.codes, packed.scale, packed.mins)
     want = reference(x, codes, quant.scale, m)
     assert got.shape == (rows, n)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-4 * want.abs().max().item()), (got - want).abs().max()
 
 
-@needs_x16
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
-def test_x16_layout_sums_what_the_files_layout_sums(kind):
-    """The same activation codes, the same integer dot products: the two layouts differ only by fp32 rounding."""
+def test_interleaved_layouts_sum_what_the_files_layout_sums(width, kind):
+    """The same activation codes, the same integer dot products: the layouts differ only by fp32 rounding."""
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(32, 576, generator=gen)
     w = torch.randn(1536, 576, generator=gen) / 24
     quant = group8_quantize(w) if kind == "Q8_0" else group_quantize(w)
-    x16 = x16_packed(quant)
-    got = native.x16_linear(x, x16.codes, x16.scale, x16.mins)
+    packed = interleaved(quant, width)
+    got = native.interleaved_linear(x, packed.codes, packed.scale, packed.mins)
     if kind == "Q8_0":
         want = native.w8a8_linear(x, quant.q, quant.scale)
     else:
@@ -162,34 +170,39 @@ def test_x16_layout_sums_what_the_files_layout_sums(kind):
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
-def test_the_x16_layout_is_taken_only_where_it_is_exact():
-    """Scales that are not fp16 values (a file's always are) or a width that is not 16 outputs: the file's layout."""
+def test_an_interleaved_layout_is_taken_only_where_it_is_exact():
+    """Scales that are not fp16 values (a file's always are) or a width that is no multiple of the group: the file's
+    layout; the generic build: the file's layout."""
     from inference.precision import _coded_weight
 
     gen = torch.Generator().manual_seed(5)
     quant = group_quantize(torch.randn(32, 64, generator=gen))
     odd = type(quant)(quant.q, quant.scale * (1 + 1e-6), quant.zero)
-    assert not _coded_weight(odd.dequantize(), odd, lambda w: None, 4).x16
-    narrow = type(quant)(quant.q[:24], quant.scale[:24], quant.zero[:24])
-    assert not _coded_weight(narrow.dequantize(), narrow, lambda w: None, 4).x16
-    assert _coded_weight(quant.dequantize(), quant, lambda w: None, 4).x16 == (native.quant_isa() == "avx512")
-    native.quant_isa("avx2" if native.quant_isa("best") != "generic" else "generic")
+    assert not _coded_weight(odd.dequantize(), odd, lambda w: None, 4).interleaved
+    narrow = type(quant)(quant.q[:20], quant.scale[:20], quant.zero[:20])
+    assert not _coded_weight(narrow.dequantize(), narrow, lambda w: None, 4).interleaved
+    assert _coded_weight(quant.dequantize(), quant, lambda w: None, 4).interleaved == (LAYOUTS or [0])[0]
+    native.quant_isa("generic")
     try:
-        assert not _coded_weight(quant.dequantize(), quant, lambda w: None, 4).x16  # a narrower build forced
+        assert not _coded_weight(quant.dequantize(), quant, lambda w: None, 4).interleaved
     finally:
         native.quant_isa("best")
 
 
-@needs_x16
-def test_x16_linear_refuses_what_it_cannot_read():
+def test_interleaved_linear_refuses_what_it_cannot_read(width):
     x = torch.randn(2, 64)
-    codes, half = torch.zeros(2, 2, 256, dtype=torch.uint8), torch.ones(2, 2, 16, dtype=torch.float16)
-    assert native.x16_linear(x, codes, half, half).shape == (2, 32)
+    codes, half = torch.zeros(2, 2, 16 * width, dtype=torch.uint8), torch.ones(2, 2, width, dtype=torch.float16)
+    assert native.interleaved_linear(x, codes, half, half).shape == (2, 2 * width)
     with pytest.raises(RuntimeError, match="codes must be"):
-        native.x16_linear(x, torch.zeros(2, 2, 128, dtype=torch.uint8), half, half)
+        native.interleaved_linear(x, torch.zeros(2, 2, 8 * width, dtype=torch.uint8), half, half)
     with pytest.raises(RuntimeError, match="codes must be"):
-        native.x16_linear(torch.randn(2, 96), codes, half, half)  # 3 blocks against 2
+        native.interleaved_linear(torch.randn(2, 96), codes, half, half)  # 3 blocks against 2
+    with pytest.raises(RuntimeError, match="scales must be"):
+        native.interleaved_linear(x, codes, torch.ones(2, 2, 4, dtype=torch.float16), half)
     with pytest.raises(RuntimeError, match="scales and mins must be"):
-        native.x16_linear(x, codes, half.float(), half)
+        native.interleaved_linear(x, codes, half.float(), half)
     with pytest.raises(RuntimeError, match="scales and mins must be"):
-        native.x16_linear(x, codes, half, half[:1])
+        native.interleaved_linear(x, codes, half, half[:1])
+    q8 = torch.zeros(2, 2, 32 * width, dtype=torch.uint8 if width == 8 else torch.int8)  # the other Q8 code type
+    with pytest.raises(RuntimeError, match="codes must be"):
+        native.interleaved_linear(x, q8, half, half)

@@ -82,13 +82,22 @@ def test_int4w_meets_its_contract_through_the_files_codes(real_model, fp32_runs,
     assert precision_contract_holds("int4w", got), (got, CONTRACTS["int4w"])
 
 
-W4A8_LAYOUTS = ["file"] + (["x16"] if native.fused_available() and native.quant_isa("best") == "avx512" else [])
+W4A8_BUILDS = ["generic", "avx2", "avx512"]
+W4A8_LAYOUTS = ["file"] + [f"x{w}" for w, isa in ((8, "avx2"), (16, "avx512"))
+                           if native.fused_available()
+                           and W4A8_BUILDS.index(native.quant_isa("best")) >= W4A8_BUILDS.index(isa)]
 
 
 @pytest.fixture(params=W4A8_LAYOUTS)
-def w4a8_layout(request, real_model):
-    """w4a8 packed in the file's own layout (the avx2 / generic loops) or, on AVX-512 VNNI CPUs, the x16 one."""
-    native.quant_isa("best" if request.param == "x16" else "avx2" if native.quant_isa("best") != "generic" else "generic")
+def w4a8_layout(request, real_model, monkeypatch):
+    """w4a8 packed in the file's own layout (the avx2 loop where the CPU has it) or an interleaved one: x8 (AVX2),
+    x16 (AVX-512 VNNI)."""
+    import inference.precision as precision
+
+    if request.param == "file":
+        monkeypatch.setattr(precision, "INTERLEAVED", {})
+    else:
+        native.quant_isa("avx2" if request.param == "x8" else "avx512")
     real_model.built.clear()
     yield request.param
     native.quant_isa("best")
@@ -101,8 +110,9 @@ def test_w4a8_meets_its_contract_through_the_files_codes(real_model, fp32_runs, 
     model = make_engine(real_model, precision="w4a8").model
     gate_up, head = model.layers[0]["gate_up"], model.lm_head
     assert isinstance(gate_up, CodedWeight) and gate_up.mins is not None and gate_up.max_rows == 100000
-    assert isinstance(head, CodedWeight) and gate_up.x16 == head.x16 == (w4a8_layout == "x16")
-    assert head.codes.dtype == (torch.uint8 if head.x16 else torch.int8)
+    width = 0 if w4a8_layout == "file" else int(w4a8_layout[1:])
+    assert isinstance(head, CodedWeight) and gate_up.interleaved == head.interleaved == width
+    assert head.codes.dtype == (torch.uint8 if width == 16 else torch.int8)
     got = agreement_of(real_model, fp32_runs, "w4a8")
     assert precision_contract_holds("w4a8", got), (got, CONTRACTS["w4a8"])
 
@@ -146,8 +156,8 @@ def test_int4w_multiplies_codes_up_to_its_rows_and_bf16_above(monkeypatch):
 
 
 def coded_product(x, packed: CodedWeight):
-    if packed.x16:
-        return native.x16_linear(x, packed.codes, packed.scale, packed.mins)
+    if packed.interleaved:
+        return native.interleaved_linear(x, packed.codes, packed.scale, packed.mins)
     if packed.mins is None:
         return native.w8a8_linear(x, packed.codes, packed.scale)
     return native.w4a8_linear(x, packed.codes, packed.scale, packed.mins)
