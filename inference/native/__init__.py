@@ -9,8 +9,8 @@ loudly at engine start (see `inference.attention.select_backend`).
 
 One library holds an AVX-512, an AVX2 and a generic build of each loop, chosen at run time from the
 CPU (no -march flag, so the same .so runs anywhere); KVSERVE_ATTN_ISA=avx512|avx2|generic (read at
-load) or `set_isa()` forces one for attention, refusing an ISA the CPU lacks; ATEN_CPU_CAPABILITY (torch's own cap)
-caps every loop, w4a8's included. The kernels' jobs run on their own threads (pool.cpp, `set_threads`).
+load) or `set_isa()` forces one for attention, refusing an ISA the CPU lacks; ATEN_CPU_CAPABILITY (torch's own cap,
+cap.h) caps every loop, w4a8's included, as if the CPU were that narrow. The kernels' jobs run on their own threads (pool.cpp, `set_threads`).
 """
 import hashlib
 import logging
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
 SOURCES = (HERE / "paged_attention.cpp", HERE / "fused.cpp", HERE / "quant.cpp", HERE / "layer.cpp", HERE / "pool.cpp")
-HEADERS = (HERE / "pool.h",)
+HEADERS = (HERE / "pool.h", HERE / "cap.h")
 BUILD_DIR = HERE / "build"
 CFLAGS = ["-O3", "-fopenmp", "-fopenmp-simd", "-std=c++17"]
 LDFLAGS = ["-fopenmp"]
@@ -69,30 +69,11 @@ def load() -> bool:
         if not path.exists():
             raise FileNotFoundError(f"{path} is not built: run `make install` (or `python -m inference.native`)")
         torch.ops.load_library(str(path))
-        cap = isa_cap()
-        attn = attn_isa_setting()
-        torch.ops.kvserve_paged.set_isa(cap if attn == "auto" and cap else attn)  # one this CPU lacks fails the load
-        if cap:
-            torch.ops.kvserve_paged.quant_isa(cap)
+        torch.ops.kvserve_paged.set_isa(attn_isa_setting())  # one this CPU lacks fails the load
         _loaded["ok"] = True
     except Exception as exc:  # a missing or broken build is a fallback, never a crash
         _loaded["ok"], _loaded["error"] = False, f"{type(exc).__name__}: {exc}"
     return _loaded["ok"]
-
-
-BUILDS = ("generic", "avx2", "avx512")
-
-
-def isa_cap() -> str | None:
-    """The widest build the native loops may use under torch's own cap, ATEN_CPU_CAPABILITY (default | avx2 |
-    avx512: how a test or benchmark runs this CPU as a narrower one, with ONEDNN_MAX_CPU_ISA for oneDNN), no wider
-    than the CPU's; None when unset."""
-    cap = {"default": "generic", "avx2": "avx2", "avx512": "avx512"}.get(
-        os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower())
-    if cap is None:
-        return None
-    best = torch.ops.kvserve_paged.quant_isa("best")
-    return BUILDS[min(BUILDS.index(cap), BUILDS.index(best))]
 
 
 def load_error() -> str | None:

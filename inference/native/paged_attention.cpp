@@ -25,6 +25,7 @@
 #include <limits>
 #include <vector>
 
+#include "cap.h"
 #include "pool.h"
 
 namespace {
@@ -344,7 +345,7 @@ enum class Isa { generic = 0, avx2 = 1, avx512 = 2 };
 
 const char* isa_name(Isa isa) { return isa == Isa::avx512 ? "avx512" : isa == Isa::avx2 ? "avx2" : "generic"; }
 
-Isa best_isa() {
+Isa cpu_isa() {
 #ifdef KVS_X86
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
@@ -357,6 +358,9 @@ Isa best_isa() {
 #endif
   return Isa::generic;
 }
+
+// the CPU's best, no wider than ATEN_CPU_CAPABILITY (cap.h)
+Isa best_isa() { return static_cast<Isa>(std::min(static_cast<int>(cpu_isa()), kvs::capability_cap())); }
 
 // "avx512" | "avx2" | "generic" | "" (best): refuses one this CPU cannot run
 Isa parse_isa(const std::string& want) {

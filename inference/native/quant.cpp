@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "cap.h"
 #include "pool.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -449,7 +450,7 @@ enum class QIsa { generic, avx2, avx512 };
 
 const char* qisa_name(QIsa isa) { return isa == QIsa::avx512 ? "avx512" : isa == QIsa::avx2 ? "avx2" : "generic"; }
 
-QIsa best_isa() {
+QIsa cpu_isa() {
 #ifdef KVS_QX86
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -460,6 +461,9 @@ QIsa best_isa() {
 #endif
   return QIsa::generic;
 }
+
+// the CPU's best, no wider than ATEN_CPU_CAPABILITY (cap.h)
+QIsa best_isa() { return static_cast<QIsa>(std::min(static_cast<int>(cpu_isa()), kvs::capability_cap())); }
 
 QIsa g_isa = best_isa();
 
