@@ -1,14 +1,15 @@
-"""The paged-attention kernel per decode step, old path (AVX2) vs new (AVX-512) side by side.
+"""The paged-attention kernel per decode step: its builds (AVX2, AVX-512) and its pools (fp32, bf16) side by side.
 
-    python -m bench.attention [--seqs 32] [--context 512] [--repeats 7] [--no-step] [--quick] [--threads N]
+    python -m bench.attention [--seqs 32] [--context 512] [--repeats 7] [--kv-dtypes float32,bfloat16]
+                              [--precision w4a8] [--no-step] [--quick] [--threads N]
 
-Kernel: a pool shaped like the model (layers, heads, kv heads, head_dim from its config), `--seqs`
-decode rows of `--context` tokens each on scattered 16-token pages; one call per layer is one decode
-step's attention. Each ISA (`kvserve_paged::set_isa`) is timed in interleaved rounds; the figure is
-the median. KV read per step and its rate are printed with it.
-Step (unless --no-step): the real engine with `--seqs` prompts of `--context` tokens, prefilled once,
-then decode steps timed under each ISA in turn: the kernel's fraction of a decode step.
-Ends with one JSON line (ms per ISA, ratio, fractions, CPU flags, threads).
+Kernel: a pool shaped like the model (layers, heads, kv heads, head_dim from its config) in each KV dtype, `--seqs`
+decode rows of `--context` tokens each on scattered 16-token pages; one call per layer is one decode step's
+attention. Each (ISA, dtype) is timed in interleaved rounds; the figure is the median. KV read per step and its
+rate are printed with it.
+Step (unless --no-step): the real engine in `--precision` over each KV dtype, `--seqs` prompts of `--context` tokens
+prefilled once, then decode steps timed in interleaved rounds: the kernel's fraction of a decode step.
+Ends with one JSON line (ms per ISA and dtype, ratios, fractions, CPU flags, threads).
 """
 import argparse
 import random
@@ -30,9 +31,9 @@ def isas() -> list[str]:
     return order
 
 
-def kernel_case(layers, h, kvh, d, seqs, context, seed=0):
+def kernel_case(layers, h, kvh, d, seqs, context, seed=0, dtype=torch.float32):
     pages_per = cdiv(context, PAGE)
-    pool = PagePool(seqs * pages_per + 8, PAGE, layers, kvh, d)
+    pool = PagePool(seqs * pages_per + 8, PAGE, layers, kvh, d, dtype=dtype)
     pool.data.normal_(generator=torch.Generator().manual_seed(seed))
     ids = list(range(pool.num_pages))
     random.Random(seed).shuffle(ids)
@@ -52,31 +53,35 @@ def time_kernel_step(pool, q, tables, lens, starts, qlens) -> float:
     return time.perf_counter() - t0
 
 
-def engine_steps(model, seqs, context, names, repeats) -> dict:
-    """Median decode-step seconds with the kernel under each ISA (the same running batch, interleaved)."""
+def engine_steps(model, seqs, context, dtypes, precision, repeats) -> dict:
+    """Median decode-step seconds of an engine in `precision` over each KV dtype (interleaved rounds)."""
     from inference.engine import Engine, EngineConfig
     from inference.sequence import SamplingParams, SeqStatus
 
     prompts = chat_prompts(model.tokenizer, seqs, context, context, seed=0)
-    steps = repeats * len(names) * 2 + 4
-    engine = Engine(model, EngineConfig(num_pages=seqs * cdiv(context + steps + 8, PAGE) + 64, page_size=PAGE,
-                                        chunk_size=512, max_num_seqs=max(64, seqs)))
-    t0 = time.perf_counter()
-    sq = [engine.add_request(f"attn-{i}", p, SamplingParams(max_tokens=steps + 4, ignore_eos=True))
-          for i, p in enumerate(prompts)]
-    while any(s.status is not SeqStatus.RUNNING for s in sq):
+    steps = repeats * 2 + 4
+    engines = {}
+    for dtype in dtypes:
+        engine = Engine(model, EngineConfig(num_pages=seqs * cdiv(context + steps + 8, PAGE) + 64, page_size=PAGE,
+                                            chunk_size=512, max_num_seqs=max(64, seqs), precision=precision,
+                                            kv_dtype=dtype))
+        t0 = time.perf_counter()
+        sq = [engine.add_request(f"attn-{i}", p, SamplingParams(max_tokens=steps + 4, ignore_eos=True))
+              for i, p in enumerate(prompts)]
+        while any(s.status is not SeqStatus.RUNNING for s in sq):
+            engine.step()
+        log(f"{precision} over a {dtype} pool: prefilled {seqs} x {len(prompts[0])} tokens in "
+            f"{time.perf_counter() - t0:.1f}s")
         engine.step()
-    log(f"prefilled {seqs} x {len(prompts[0])} tokens in {time.perf_counter() - t0:.1f}s")
-    engine.step()
-    times = {n: [] for n in names}
+        engines[dtype] = engine
+    times = {d: [] for d in dtypes}
     for _ in range(repeats):
-        for n in names:
-            native.set_isa(n)
+        for dtype, engine in engines.items():
             t = time.perf_counter()
             engine.step()
             engine.step()
-            times[n].append((time.perf_counter() - t) / 2)
-    return {n: median(v) for n, v in times.items()}
+            times[dtype].append((time.perf_counter() - t) / 2)
+    return {d: median(v) for d, v in times.items()}
 
 
 def main(argv=None) -> int:
@@ -84,6 +89,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seqs", type=int, default=32)
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--kv-dtypes", default="float32,bfloat16", help="pools to time, comma-separated")
+    parser.add_argument("--precision", default="w4a8", help="the engine's matmul precision for the step figures")
     parser.add_argument("--no-step", action="store_true", help="kernel only (no model, no engine step)")
     parser.add_argument("--quick", action="store_true", help="8 sequences x 128 tokens, 3 rounds")
     parser.add_argument("--threads", type=int, help="torch threads (default: all CPUs)")
@@ -94,6 +101,7 @@ def main(argv=None) -> int:
         threads_set(args.threads)
     if not native.load():
         raise SystemExit(f"the kernel is not built: {native.load_error()}")
+    dtypes = [d.strip() for d in args.kv_dtypes.split(",") if d.strip()]
     model = None
     shape = dict(layers=30, h=9, kvh=3, d=64)  # SmolLM2-135M
     if not args.no_step:
@@ -103,35 +111,50 @@ def main(argv=None) -> int:
         c = model.config
         shape = dict(layers=c.num_layers, h=c.num_heads, kvh=c.num_kv_heads, d=c.head_dim)
     names = isas()
-    case = kernel_case(**shape, seqs=args.seqs, context=args.context)
-    kv_bytes = 2 * args.seqs * args.context * shape["kvh"] * shape["d"] * 4 * shape["layers"]
-    log(f"bench.attention: {args.seqs} x {args.context} tokens, {shape}, ISAs {names}, "
+    cases = {d: kernel_case(**shape, seqs=args.seqs, context=args.context, dtype=getattr(torch, d)) for d in dtypes}
+    kv_bytes = {d: 2 * args.seqs * args.context * shape["kvh"] * shape["d"] * shape["layers"] *
+                cases[d][0].data.element_size() for d in dtypes}
+    combos = [(n, d) for d in dtypes for n in names]
+    log(f"bench.attention: {args.seqs} x {args.context} tokens, {shape}, ISAs {names}, pools {dtypes}, "
         f"{torch.get_num_threads()} threads, flags {' '.join(cpu_flags())}")
-    for n in names:  # warm
+    for n, d in combos:  # warm
         native.set_isa(n)
-        time_kernel_step(*case)
-    kt = {n: [] for n in names}
+        time_kernel_step(*cases[d])
+    kt = {c: [] for c in combos}
     for _ in range(args.repeats):
-        for n in names:
+        for n, d in combos:
             native.set_isa(n)
-            kt[n].append(time_kernel_step(*case))
-    kernel = {n: median(v) for n, v in kt.items()}
-    step = engine_steps(model, args.seqs, args.context, names, max(3, args.repeats // 2)) if model else {}
+            kt[(n, d)].append(time_kernel_step(*cases[d]))
     native.set_isa("")
-    rows = [dict(isa=n, kernel_ms_per_step=kernel[n] * 1e3, kv_gb_s=kv_bytes / kernel[n] / 1e9,
-                 step_ms=step.get(n, float("nan")) * 1e3,
-                 kernel_fraction_of_step=kernel[n] / step[n] if n in step else float("nan")) for n in names]
-    print_table(rows, title=f"bench.attention: {args.seqs} decode rows x {args.context} tokens, {shape['layers']} layers "
-                            f"({kv_bytes / 1e6:.0f} MB of K/V per step), medians of {args.repeats}")
-    old, new = names[0], names[-1]
-    ratio = kernel[old] / kernel[new]
-    print(f"{old} -> {new}: kernel {ratio:.2f}x faster per decode step")
-    emit_json(dict(quick=args.quick, seqs=args.seqs, context=args.context, **shape, threads=torch.get_num_threads(),
-                   cpu_flags=cpu_flags(), isas=names, speedup=ratio,
-                   **{f"kernel_ms_{n}": kernel[n] * 1e3 for n in names},
-                   **{f"kv_gb_s_{n}": kv_bytes / kernel[n] / 1e9 for n in names},
-                   **{f"step_ms_{n}": step[n] * 1e3 for n in step},
-                   **{f"kernel_fraction_{n}": kernel[n] / step[n] for n in step}))
+    kernel = {c: median(v) for c, v in kt.items()}
+    step = engine_steps(model, args.seqs, args.context, dtypes, args.precision, max(3, args.repeats // 2)) \
+        if model else {}
+    best = names[-1]
+    rows = [dict(isa=n, kv_dtype=d, kernel_ms_per_step=kernel[(n, d)] * 1e3,
+                 kv_gb_s=kv_bytes[d] / kernel[(n, d)] / 1e9,
+                 step_ms=step[d] * 1e3 if n == best and d in step else float("nan"),
+                 kernel_fraction_of_step=kernel[(n, d)] / step[d] if n == best and d in step else float("nan"))
+            for n, d in combos]
+    print_table(rows, title=f"bench.attention: {args.seqs} decode rows x {args.context} tokens, {shape['layers']} "
+                            f"layers, step in {args.precision}, medians of {args.repeats}")
+    out = dict(quick=args.quick, seqs=args.seqs, context=args.context, **shape, threads=torch.get_num_threads(),
+               cpu_flags=cpu_flags(), isas=names, kv_dtypes=dtypes, precision=args.precision,
+               **{f"kernel_ms_{n}_{d}": kernel[(n, d)] * 1e3 for n, d in combos},
+               **{f"kv_gb_s_{n}_{d}": kv_bytes[d] / kernel[(n, d)] / 1e9 for n, d in combos},
+               **{f"step_ms_{d}": step[d] * 1e3 for d in step},
+               **{f"kernel_fraction_{d}": kernel[(best, d)] / step[d] for d in step})
+    if len(names) > 1:
+        out["speedup_isa"] = kernel[(names[0], dtypes[0])] / kernel[(best, dtypes[0])]
+        print(f"{names[0]} -> {best}: kernel {out['speedup_isa']:.2f}x faster per decode step ({dtypes[0]} pool)")
+    if {"float32", "bfloat16"} <= set(dtypes):
+        out["speedup_bf16_pool"] = kernel[(best, "float32")] / kernel[(best, "bfloat16")]
+        print(f"float32 -> bfloat16 pool: kernel {out['speedup_bf16_pool']:.2f}x faster per decode step ({best})")
+        if step:
+            out["step_speedup_bf16_pool"] = step["float32"] / step["bfloat16"]
+            print(f"float32 -> bfloat16 pool: {args.precision} decode step {out['step_speedup_bf16_pool']:.2f}x, "
+                  f"kernel {kernel[(best, 'float32')] / step['float32']:.0%} -> "
+                  f"{kernel[(best, 'bfloat16')] / step['bfloat16']:.0%} of it")
+    emit_json(out)
     return 0
 
 

@@ -48,6 +48,7 @@ import torch
 
 from bench.common import chat_prompts, emit_json, log, median, print_table
 from inference.engine import Engine, EngineConfig
+from inference.kv_cache import cdiv
 from inference.loader import load_model, resolve_model_path
 from inference.sequence import SamplingParams, SeqStatus
 from inference.threads import threads_set
@@ -69,10 +70,10 @@ def workload(tokenizer, quick: bool):
 
 # ---- kvserve -------------------------------------------------------------------------------
 
-def make_engine(model, prompts, max_tokens, precision: str = "fp32") -> Engine:
-    pages = sum(-(-(len(p) + t) // 16) for p, t in zip(prompts, max_tokens))
+def make_engine(model, prompts, max_tokens, precision: str = "fp32", kv_dtype: str = "auto") -> Engine:
+    pages = sum(cdiv(len(p) + t, 16) for p, t in zip(prompts, max_tokens))
     return Engine(model, EngineConfig(num_pages=max(1024, pages + 64), page_size=16, chunk_size=512,
-                                      max_num_seqs=max(64, len(prompts)), precision=precision))
+                                      max_num_seqs=max(64, len(prompts)), precision=precision, kv_dtype=kv_dtype))
 
 
 def kvserve_decode(engine: Engine, prompts, max_tokens) -> dict:
@@ -237,7 +238,7 @@ def main(argv=None) -> int:
         repeats=repeats, quick=args.quick, threads=torch.get_num_threads(), num_prompts=len(prompts),
         prefill_prompt_tokens=len(w["prefill_prompt"]), seconds=round(time.perf_counter() - started, 1),
         runs={k: [round(x, 2) for x in v] for k, v in runs.items()},
-        precision=engine.precision, precision_choice=engine.precision_choice.line(),
+        precision=engine.precision, precision_choice=engine.precision_choice.line(), kv_dtype=engine.kv_dtype,
     )
     for m, e in others.items():
         result.update({f"kvserve_decode_tok_s_c32_{m}": med[f"kv_c32_{m}"], f"kvserve_decode_tok_s_c1_{m}": med[f"kv_c1_{m}"],
@@ -245,7 +246,7 @@ def main(argv=None) -> int:
                        f"speedup_decode_c32_{m}": ratio(f"kv_c32_{m}", "kv_c32"),
                        f"speedup_decode_c1_{m}": ratio(f"kv_c1_{m}", "kv_c1"),
                        f"speedup_prefill_{m}": ratio(f"kv_prefill_{m}", "kv_prefill"),
-                       f"precision_{m}": e.precision_choice.line()})
+                       f"precision_{m}": e.precision_choice.line(), f"kv_dtype_{m}": e.kv_dtype})
     rows = [
         dict(figure=f"decode tok/s, {len(prompts)} concurrent", kvserve=med["kv_c32"], hf=med["hf_b32"],
              ratio=result["ratio_decode_c32"], target=1.8),

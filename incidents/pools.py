@@ -86,6 +86,7 @@ def pool_state_list(*, user) -> tuple[list[dict], dict[str, dict]]:
             "quarantine_reason": registry.quarantine_reason(w.worker_id) if w.quarantined else None,
             "heartbeat": w.heartbeat_at, "heartbeat_age_s": round(max(0.0, now - w.heartbeat_at), 1),
             "device": w.device, "dtype": w.dtype, "scrub_policy": w.scrub_policy, "history": [],
+            "precision": w.precision, "pool_mb": None if w.pool_bytes is None else round(w.pool_bytes / 2**20, 1),
         }
         try:
             snapshot = RedisLedger(redis, w.worker_id, prefix=prefix).snapshot()

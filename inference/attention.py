@@ -82,15 +82,16 @@ def _grouped_sdpa(q, keys, values, mask):
     return out.reshape(b, h, 1, d)
 
 
-def _gather(kv, layer, tables, which):
-    """tables [..., P] -> [..., KVH, P * page_size, D] (a copy of exactly those pages).
+def _gather(kv, layer, tables, which, dtype):
+    """tables [..., P] -> [..., KVH, P * page_size, D] in `dtype` (a copy of exactly those pages; a bf16 pool's
+    values widen exactly to an fp32 model's).
 
     index_select copies each page's [ps, KVH, D] block (contiguous in the pool) as one slice;
     advanced indexing (`src[tables]`) computed an offset per element and was ~2.5x slower."""
     src = kv.data[:, layer, which]  # [pages, ps, KVH, D]
     pages = src.index_select(0, tables.reshape(-1))  # [n, ps, KVH, D], contiguous
     ps, kvh, d = src.shape[1:]
-    flat = pages.view(*tables.shape[:-1], tables.shape[-1] * ps, kvh, d)
+    flat = pages.to(dtype).view(*tables.shape[:-1], tables.shape[-1] * ps, kvh, d)
     return flat.transpose(-3, -2)
 
 
@@ -132,15 +133,15 @@ def sdpa_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv, 
     if sb is not None:
         batch.cache.setdefault("dtype", q.dtype)
         for rows, tables, bias in _decode_groups(batch, q.device):
-            keys, values = _gather(kv, layer, tables, 0), _gather(kv, layer, tables, 1)
+            keys, values = _gather(kv, layer, tables, 0, q.dtype), _gather(kv, layer, tables, 1, q.dtype)
             out[rows] = _grouped_sdpa(q[rows].unsqueeze(2), keys, values, bias).squeeze(2)
         for i in range(len(sb)):
             n, ctx, start = sb.qlens[i], sb.lens[i], sb.starts[i]
             if n == 1:
                 continue
             table = sb.tables[i, : cdiv(ctx, batch.page_size)].long()
-            keys = _gather(kv, layer, table, 0)[:, :ctx].unsqueeze(0)
-            values = _gather(kv, layer, table, 1)[:, :ctx].unsqueeze(0)
+            keys = _gather(kv, layer, table, 0, q.dtype)[:, :ctx].unsqueeze(0)
+            values = _gather(kv, layer, table, 1, q.dtype)[:, :ctx].unsqueeze(0)
             rows = slice(start, start + n)
             out[rows] = causal_sdpa(q[rows].transpose(0, 1).unsqueeze(0), keys, values).squeeze(0).transpose(0, 1)
     _fresh_attention(out, q, k, v, batch)
@@ -250,7 +251,7 @@ def _native_or_fallback(dtype: torch.dtype, required: bool) -> str:
 
     why = None
     if dtype != torch.float32:
-        why = f"the kernel is fp32-only and the pool is {dtype}"
+        why = f"the kernel takes an fp32 model's queries (over an fp32 or bf16 pool) and the model is {dtype}"
     elif not native.load():
         why = native.load_error()
     if why is None:

@@ -17,7 +17,7 @@ from inference.faults import NO_FAULTS, Faults
 from inference.grammar import grammar_accept, grammar_attach, grammar_mask
 from inference.kv_cache import PagePool, cdiv, page_checksums
 from inference.loader import LoadedModel, gguf_group8_weights, gguf_group_weights, gguf_has_group_weights, load_model
-from inference.precision import GROUPED, Choice, precision_fingerprint, resolve_precision
+from inference.precision import GROUPED, Choice, kv_dtype_for, precision_fingerprint, resolve_precision
 from inference.model import Llama, choose_gemm
 from inference.prefix_cache import PrefixCache
 from inference.runner import StepBuilder
@@ -68,6 +68,7 @@ class EngineConfig:
     scrub_policy: str = "on_free"
     dtype: str = "float32"
     precision: str = "fp32"  # matmul precision (inference.precision): fp32, bf16, fp16w or auto (timed at start)
+    kv_dtype: str = "auto"  # the KV pool's element type: auto (inference.precision.kv_dtype_for), float32, bfloat16
     device: str = "cpu"
     attention: str | None = None  # None: chosen from the device (KVSERVE_ATTENTION overrides)
     faults: Faults = field(default_factory=lambda: NO_FAULTS)
@@ -78,7 +79,7 @@ class EngineConfig:
     reserve_whole: bool = False  # bench.ondemand's baseline only: reserve prompt + max_tokens at admission
 
     def pages_for(self, mc, dtype) -> int:
-        """Pages in the pool: num_pages, or as many as fit pool_mb for this model and dtype."""
+        """Pages in the pool: num_pages, or as many as fit pool_mb for this model and KV dtype."""
         if not self.pool_mb:
             return self.num_pages
         per_page = PagePool.page_bytes(self.page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
@@ -118,6 +119,11 @@ def shared_model(model: LoadedModel, dtype: torch.dtype, device: torch.device, a
         return llama
 
 
+def engine_kv_dtype(config: EngineConfig, precision: str) -> torch.dtype:
+    """The KV pool's dtype an engine of `config` keeps in `precision` (a resolved mode, never auto)."""
+    return kv_dtype_for(config.kv_dtype, precision, getattr(torch, config.dtype), torch.device(config.device))
+
+
 def engine_precision(model: LoadedModel, config: EngineConfig) -> Choice:
     """The matmul precision an engine of `config` runs on `model` (`auto`: timed once per process)."""
     dtype, device = getattr(torch, config.dtype), torch.device(config.device)
@@ -138,8 +144,11 @@ class Engine:
         self.precision = self.precision_choice.mode
         log.info("engine %s", self.precision_choice.line())
         self.model = shared_model(model, dtype, device, self.attention_backend, self.precision)
-        num_pages = config.pages_for(mc, dtype)
-        self.pool = PagePool(num_pages, config.page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, device)
+        kv_dtype = engine_kv_dtype(config, self.precision)
+        self.kv_dtype = str(kv_dtype).removeprefix("torch.")  # what the registration and the handoff call `dtype`
+        num_pages = config.pages_for(mc, kv_dtype)
+        self.pool = PagePool(num_pages, config.page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, kv_dtype,
+                             device)
         allocator: PageAllocator = (allocator_factory or (lambda n: LocalAllocator(n)))(num_pages)
         self.block_manager = BlockManager(allocator, self.pool, config.scrub_policy, config.faults)
         if not 0 <= config.watermark < 1:

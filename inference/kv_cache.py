@@ -1,5 +1,6 @@
 """The KV page pool: one preallocated, pre-faulted tensor in which a page is contiguous across
-layers, K and V, so that scrubbing a page is one indexed fill.
+layers, K and V, so that scrubbing a page is one indexed fill. Its dtype is the model's, or bf16 under a
+reduced precision (inference.precision.kv_dtype_for): export, import, checksums and scrub work on its bytes.
 
 Layout: data[page, layer, k_or_v, offset, kv_head, head_dim]. Row `num_pages` is the null page:
 never allocated, always zero, used to pad block tables.
@@ -43,8 +44,9 @@ class PagePool:
         return self.data[0].numel() * self.data.element_size()
 
     def write(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        self.data[pages, layer, 0, offsets] = k
-        self.data[pages, layer, 1, offsets] = v
+        """This step's K and V rows into their slots (rounded to nearest even into a bf16 pool)."""
+        self.data[pages, layer, 0, offsets] = k.to(self.data.dtype)
+        self.data[pages, layer, 1, offsets] = v.to(self.data.dtype)
 
     def scrub(self, pages) -> None:
         if len(pages):

@@ -19,6 +19,7 @@ MODES = ("fp32", "bf16", "fp16w", "int4w", "w4a8")
 GROUPED = ("int4w", "w4a8")  # modes that multiply the model file's own blocks (a GGUF with Q4_0 / Q4_1 projections)
 GROUP = 32  # weights per scale in a GGUF Q4_0 / Q4_1 / Q8_0 block, and the coded modes' group size
 SETTING_CHOICES = ("auto",) + MODES  # KVSERVE_PRECISION (inference/settings.py)
+REDUCED_KV = ("bf16", "int4w", "w4a8")  # modes whose matmuls take reduced activations: their KV pool is bf16 (auto)
 
 
 @dataclass(frozen=True)
@@ -34,10 +35,11 @@ class Contract:
 
 # Justification. fp32 is the reference itself (the HF-equivalence tests bound it to 2e-3 against transformers).
 # bf16 keeps an 8-bit mantissa (relative rounding 2^-9 ~ 2e-3) on weights and on the activations entering each
-# matmul; accumulation is fp32 and the residual stream, norms, RoPE, softmax, KV and logits stay fp32, so the
-# error does not compound through the residual. Over SmolLM2's 30 layers that moves logits (magnitude ~20) by
-# under 1 (measured on test_precision's 8 prompts x 16 tokens: max 0.66) and flips the argmax only where fp32's
-# top two are near-tied (measured agreement 0.984, 126/128); 0.9 / 3.0 leave room for other prompts and oneDNN builds and still
+# matmul, and on the K/V it keeps (a bf16 pool, kv_dtype_for: on its own it moves logits by 0.17 and no argmax);
+# accumulation is fp32 and the residual stream, norms, RoPE, softmax and logits stay fp32, so the error does not
+# compound through the residual. Over SmolLM2's 30 layers that moves logits (magnitude ~20) by under 1 (measured
+# on test_precision's 8 prompts x 16 tokens, read back through the pool: max 0.65) and flips the argmax only where
+# fp32's top two are near-tied (measured agreement 0.969, 124/128); 0.9 / 3.0 leave room for other prompts and oneDNN builds and still
 # fail a wrong kernel (int8-cast weights: agreement ~0, logits off by tens). The kernel bound: one bf16 matmul
 # on random data errs ~3e-3 relative; 2e-2 is 6x that, while garbage is ~1. fp16w stores weights in fp16
 # (10-bit mantissa) and multiplies in fp32: ~8x tighter than bf16 (measured: max 0.04, agreement 0.992 - one
@@ -535,6 +537,26 @@ def precision_scope(model_fingerprint: str, device: torch.device) -> str:
                                             "KVSERVE_W4A8_ROWS")]
     parts = [model_fingerprint, device.type, torch.__version__, " ".join(sorted(flags.split())), *caps]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def kv_dtype_for(requested: str, mode: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV pool's element type for KVSERVE_KV_DTYPE=`requested` (auto | float32 | bfloat16) under `mode`. auto: the
+    model's own dtype, except on the CPU in the modes whose matmuls already take reduced activations (REDUCED_KV),
+    whose pool is bf16: half the bytes per token to hold and, at many sequences, to read each step; the attention
+    math stays fp32 (its contract is the mode's, measured through the pool: tests/inference/test_precision.py).
+    fp32 keeps fp32 (Hugging Face's text) and so does fp16w (its contract is 8x tighter than bf16's). Another dtype
+    than the model's is for an fp32 model on the CPU only (the native kernel reads either; xformers on CUDA takes
+    queries and pages in one dtype)."""
+    if requested == "auto":
+        reduced = device.type == "cpu" and model_dtype == torch.float32 and mode in REDUCED_KV
+        return torch.bfloat16 if reduced else model_dtype
+    wanted = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(requested)
+    if wanted is None:
+        raise ValueError(f"KVSERVE_KV_DTYPE={requested!r}: auto, float32 or bfloat16")
+    if wanted != model_dtype and not (device.type == "cpu" and model_dtype == torch.float32):
+        raise ValueError(f"KVSERVE_KV_DTYPE={requested} with a {str(model_dtype).removeprefix('torch.')} model on "
+                         f"{device.type}: a KV dtype other than the model's needs an fp32 model on the CPU; unset it")
+    return wanted
 
 
 def precision_fingerprint(model_fingerprint: str, mode: str) -> str:

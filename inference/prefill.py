@@ -25,7 +25,7 @@ class Exported:
 
 def _fields(engine, request_id: str, prompt_tokens: int, worker_id: str) -> dict:
     return dict(request_id=request_id, expected_tokens=prompt_tokens, model_fingerprint=engine.fingerprint,
-                page_size=engine.page_size, dtype=engine.config.dtype, prefill_worker=worker_id)
+                page_size=engine.page_size, dtype=engine.kv_dtype, prefill_worker=worker_id)
 
 
 def prefill_refusal(engine, request_id: str, prompt_ids: list[int], worker_id: str, verdict: Verdict,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -57,6 +58,9 @@ class WorkerNotRegistered(KeyError):
     """A heartbeat came for a worker whose registration is gone (expired or unregistered)."""
 
 
+ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # a KV pool's dtype -> bytes per value
+
+
 @dataclass(frozen=True)
 class WorkerInfo:
     worker_id: str
@@ -92,6 +96,13 @@ class WorkerInfo:
         kwargs = {k: v for k, v in data.items() if k in known}  # newer writers may add fields
         kwargs["faults"] = list(kwargs.get("faults") or [])
         return cls(**kwargs)
+
+    @property
+    def pool_bytes(self) -> int | None:
+        """Bytes of KV the pool holds: pages x page_shape x the element's size (`dtype` is the pool's: a bf16 pool
+        holds a token in half an fp32 pool's bytes); None when an older writer reported no page shape."""
+        size = ELEMENT_BYTES.get(self.dtype)
+        return self.num_pages * math.prod(self.page_shape) * size if self.page_shape and size else None
 
     @property
     def serving_limit(self) -> int:

@@ -230,7 +230,7 @@ class IncidentReplay:
             out.handoff = {"verdict": handoff.verdict.value, "expected_tokens": handoff.expected_tokens,
                            "transferred_tokens": handoff.transferred_tokens, "num_pages": handoff.num_pages}
             # decode: accept (the decode worker's own rule), then reserve and import
-            side = DecodeSide(rid, len(ids), self.decode.fingerprint, self.decode.page_size, self.decode.config.dtype,
+            side = DecodeSide(rid, len(ids), self.decode.fingerprint, self.decode.page_size, self.decode.kv_dtype,
                               page_shape=tuple(self.decode.pool.data.shape[1:]))
             try:
                 handoff, blob = handoff_accept(handoff.to_dict(), self.key, side, self.transport.take,

@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 SCRUB_POLICIES = ("on_free", "on_alloc", "off")
 DTYPES = ("float32", "bfloat16", "float16")
 PRECISIONS = ("fp32", "bf16", "fp16w", "int4w", "w4a8", "auto")  # inference.precision.SETTING_CHOICES
+KV_DTYPES = ("auto", "float32", "bfloat16")  # inference.precision.kv_dtype_for
 ROLES = ("prefill", "decode")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -115,6 +116,7 @@ def engine_settings(env: Mapping | None = None) -> dict:
         probe_reserve_pages=env_int("KVSERVE_PROBE_RESERVE_PAGES", None, low=0, env=env),  # None: the engine's
         dtype=env_choice("KVSERVE_DTYPE", "float32", DTYPES, env),
         precision=env_choice("KVSERVE_PRECISION", "fp32", PRECISIONS, env),  # inference.precision
+        kv_dtype=env_choice("KVSERVE_KV_DTYPE", "auto", KV_DTYPES, env),  # inference.precision.kv_dtype_for
         device=env_str("KVSERVE_DEVICE", "", env).strip() or None,
         prefix_cache=env_bool("KVSERVE_PREFIX_CACHE", True, env),
     )

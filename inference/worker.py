@@ -35,7 +35,7 @@ import torch
 from inference.allocator import LedgerError, PoolLost
 from inference.cancel import Cancel, Cancellations
 from inference.choices import best_choices, choice_params, request_of
-from inference.engine import Engine, EngineConfig, engine_precision
+from inference.engine import Engine, EngineConfig, engine_kv_dtype, engine_precision
 from inference.events import ChoiceEnd, Delta, Done, Error, OutputEvent, Usage
 from inference.fair_queue import TenantQueues
 from inference.handoff import DecodeSide, Handoff, Verdict, handoff_accept
@@ -283,7 +283,10 @@ class WorkerRuntime:
         check_eviction_policy(redis)
         model = model or load_model()
         config = config or EngineConfig.from_env()
-        num_pages = config.pages_for(model.config, getattr(torch, config.dtype))
+        self.registry = Registry(redis, prefix=opts.prefix, ttl_s=opts.registry_ttl_s)
+        if config.precision == "auto":  # before the pool is sized: the mode decides the KV dtype (auto)
+            config = dataclasses.replace(config, precision=precision_agree(self.registry, model, config))
+        num_pages = config.pages_for(model.config, engine_kv_dtype(config, config.precision))
         config.window = check_window(num_pages, config.page_size, config.window or model.config.max_position,
                                      opts.clamp_window)
         self.worker_id = new_worker_id(role)
@@ -295,9 +298,6 @@ class WorkerRuntime:
                                                          prefix=opts.prefix, lease_ttl_s=opts.lease_ttl_s)))
             return hosts[0]
 
-        self.registry = Registry(redis, prefix=opts.prefix, ttl_s=opts.registry_ttl_s)
-        if config.precision == "auto":
-            config = dataclasses.replace(config, precision=precision_agree(self.registry, model, config))
         self.engine = Engine(model, config, allocator_factory=allocator)
         self._host: HostLedger = hosts[0]
         self.ledger: RedisLedger = self._host.ledger
@@ -340,7 +340,7 @@ class WorkerRuntime:
         return WorkerInfo(
             worker_id=self.worker_id, role=self.role, host=socket.gethostname(), pid=os.getpid(),
             num_pages=e.num_pages, page_size=e.page_size, capacity_tokens=e.capacity_tokens, window=e.window,
-            model_fingerprint=e.fingerprint, dtype=e.config.dtype, device=e.device,
+            model_fingerprint=e.fingerprint, dtype=e.kv_dtype, device=e.device,
             attention_backend=e.attention_backend, scrub_policy=e.scrub_policy, faults=sorted(e.config.faults),
             max_position=e.model.config.max_position, node=self.node,
             page_shape=[int(n) for n in e.pool.data.shape[1:]],
@@ -380,7 +380,7 @@ class WorkerRuntime:
     def decode_side(self, request_id: str, prompt_ids: list[int], choices: int = 1) -> DecodeSide:
         """What this worker's engine expects of a handoff for `request_id` (of `choices` sequences)."""
         e = self.engine
-        return DecodeSide(request_id, len(prompt_ids), e.fingerprint, e.page_size, e.config.dtype,
+        return DecodeSide(request_id, len(prompt_ids), e.fingerprint, e.page_size, e.kv_dtype,
                           page_shape=tuple(e.pool.data.shape[1:]), choices=choices)
 
     def decode(self, request_id: str, prompt_ids: list[int], params: SamplingParams, handoff: dict,

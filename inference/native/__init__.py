@@ -87,6 +87,13 @@ def paged_attention(out, q, pool, layer, tables, context_lens, query_start, quer
 
 
 
+def attention_parts(keys: list[int], threads: int) -> list[int]:
+    """How the kernel cuts items that see `keys` keys each at `threads` threads: the parts of each (1: whole)."""
+    if not _loaded.get("ok") and not load():
+        raise RuntimeError(f"the paged-attention kernel is not available: {load_error()}")
+    return list(torch.ops.kvserve_paged.attention_parts(keys, threads))
+
+
 def fused_available() -> bool:
     """Whether the fused ops are there (the library built and loaded)."""
     return _loaded.get("ok") or load()

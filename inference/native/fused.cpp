@@ -50,8 +50,14 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool t
   return out;
 }
 
+// A K or V row into the pool: as is, or rounded to bf16 (nearest even, as Tensor.to(torch.bfloat16))
+inline void kv_store(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void kv_store(c10::BFloat16* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = c10::BFloat16(src[i]);
+}
+
 // RoPE (rotate-half, fp32) of a step's fused q|k|v projection and the K/V write into the page pool, one pass:
-// qkv [T, (H + 2 KVH) * D] fp32; cos, sin [T, D]; pool [P + 1, L, 2, S, KVH, D] fp32 (inference/kv_cache.py);
+// qkv [T, (H + 2 KVH) * D] fp32; cos, sin [T, D]; pool [P + 1, L, 2, S, KVH, D] fp32 or bf16 (inference/kv_cache.py);
 // pages, offsets [T] int64 (each token's slot, checked by the block manager before the step). Returns q|k
 // rotated, [T, H + KVH, D]; v stays the view of qkv the caller takes.
 at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor pool,
@@ -59,8 +65,9 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
                       int64_t kv_heads) {
   TORCH_CHECK(qkv.device().is_cpu() && qkv.scalar_type() == at::kFloat && qkv.dim() == 2 && qkv.is_contiguous(),
               "rope_store: qkv must be a contiguous fp32 CPU matrix");
-  TORCH_CHECK(pool.scalar_type() == at::kFloat && pool.dim() == 6 && pool.is_contiguous(),
-              "rope_store: pool must be the contiguous fp32 page pool");
+  TORCH_CHECK((pool.scalar_type() == at::kFloat || pool.scalar_type() == at::kBFloat16) && pool.dim() == 6 &&
+                  pool.is_contiguous(),
+              "rope_store: pool must be the contiguous fp32 or bf16 page pool");
   const int64_t T = qkv.size(0), D = pool.size(5), half = D / 2, S = pool.size(3), P = pool.size(0);
   TORCH_CHECK(pool.size(4) == kv_heads && qkv.size(1) == (heads + 2 * kv_heads) * D && D % 2 == 0,
               "rope_store: qkv [T, ", qkv.size(1), "] does not match ", heads, " + 2 x ", kv_heads, " heads of ", D);
@@ -82,28 +89,33 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   const float* c = cos.data_ptr<float>();
   const float* s = sin.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  float* data = pool.data_ptr<float>();
   const int64_t row = qkv.size(1), kv_stride = S * kv_heads * D;  // K -> V: one [S, KVH, D] block further
   const int64_t page_stride = pool.stride(0), layer_off = layer * pool.stride(1);
   const int64_t chunks = std::min<int64_t>((T + 7) / 8, 8 * kvs::threads());
-  kvs::parallel_chunks(chunks, [&](int64_t chunk) {
-    int64_t lo, hi;
-    kvs::chunk_range(T, chunks, chunk, &lo, &hi);
-    for (int64_t t = lo; t < hi; ++t) {
-      const float* x = src + t * row;
-      const float* ct = c + t * D;
-      const float* st = s + t * D;
-      float* k_slot = data + pg[t] * page_stride + layer_off + of[t] * kv_heads * D;
-      for (int64_t h = 0; h < rotated; ++h) {
-        const float* xh = x + h * D;
-        float* oh = o + (t * rotated + h) * D;
-        for (int64_t i = 0; i < half; ++i) oh[i] = xh[i] * ct[i] + (-xh[i + half]) * st[i];
-        for (int64_t i = half; i < D; ++i) oh[i] = xh[i] * ct[i] + xh[i - half] * st[i];
-        if (h >= heads) std::memcpy(k_slot + (h - heads) * D, oh, D * sizeof(float));
+  auto run = [&](auto* data) {
+    kvs::parallel_chunks(chunks, [&](int64_t chunk) {
+      int64_t lo, hi;
+      kvs::chunk_range(T, chunks, chunk, &lo, &hi);
+      for (int64_t t = lo; t < hi; ++t) {
+        const float* x = src + t * row;
+        const float* ct = c + t * D;
+        const float* st = s + t * D;
+        auto* k_slot = data + pg[t] * page_stride + layer_off + of[t] * kv_heads * D;
+        for (int64_t h = 0; h < rotated; ++h) {
+          const float* xh = x + h * D;
+          float* oh = o + (t * rotated + h) * D;
+          for (int64_t i = 0; i < half; ++i) oh[i] = xh[i] * ct[i] + (-xh[i + half]) * st[i];
+          for (int64_t i = half; i < D; ++i) oh[i] = xh[i] * ct[i] + xh[i - half] * st[i];
+          if (h >= heads) kv_store(k_slot + (h - heads) * D, oh, D);
+        }
+        kv_store(k_slot + kv_stride, x + rotated * D, kv_heads * D);  // v, as projected
       }
-      std::memcpy(k_slot + kv_stride, x + rotated * D, kv_heads * D * sizeof(float));  // v, as projected
-    }
-  });
+    });
+  };
+  if (pool.scalar_type() == at::kBFloat16)
+    run(pool.data_ptr<c10::BFloat16>());
+  else
+    run(pool.data_ptr<float>());
   return out;
 }
 

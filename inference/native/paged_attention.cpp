@@ -1,21 +1,26 @@
 // Paged attention on the CPU that reads K/V straight from the pool's pages (no gather copy).
 //
-// Pool layout (inference/kv_cache.py): pool[page, layer, k_or_v, offset, kv_head, head_dim], fp32.
+// Pool layout (inference/kv_cache.py): pool[page, layer, k_or_v, offset, kv_head, head_dim], fp32 or bf16 (read
+// as the top half of an fp32: exact; the math is fp32 either way, a bf16 pool reads half the bytes).
 // Sequence i owns query rows [query_start[i], query_start[i] + query_len[i]) of q/out and its
 // context_lens[i] tokens live in pages tables[i, 0..]. Query j of sequence i attends causally to
 // keys 0 .. context_lens[i] - query_len[i] + j (bottom-right aligned; a decode row sees them all).
 // Query head h reads KV head h / (H / KVH) (grouped-query attention; MHA when H == KVH).
-// One work item is (sequence, query): all its heads, so each page is read as one contiguous stream.
+// One work item is (sequence, query): all its heads, so each page is read as one contiguous stream. With fewer
+// items than twice the threads (one or a few long sequences: one client's decode) an item's keys are cut into parts
+// run on different threads and merged after (plan_units, merge_parts), so one sequence's step uses every core.
 //
 // Three builds of the loop live in one library, picked at run time (`__builtin_cpu_supports`, or
 // KVSERVE_ATTN_ISA=avx512|avx2|generic read at load, or the set_isa op): `avx512` (blocks of 16
 // tokens, online softmax, see attend_item_avx512), `avx2` and `generic` (the two-pass loop compiled
 // for x86-64-v3 and for the baseline). No -march flag is used, so the .so runs on any x86-64 CPU.
 #include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
@@ -36,6 +41,16 @@ namespace {
 #endif
 
 #define KVS_INLINE inline __attribute__((always_inline))
+
+using bf16_t = uint16_t;  // a bf16 pool's element, raw: the top 16 bits of an fp32
+
+KVS_INLINE float kv_load(const float* p, int64_t i) { return p[i]; }
+KVS_INLINE float kv_load(const bf16_t* p, int64_t i) {
+  const uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
 
 // e^x for x <= 0 (scores minus their max), vectorizable: x = n ln2 + r, |r| <= ln2 / 2, e^r by its
 // Taylor series to degree 7 (relative error < 1e-7 before float rounding), 2^n by building the float.
@@ -64,16 +79,19 @@ struct Dim {
 };
 
 // For every query head h (kv head h / G): out[h] = softmax_t(scale * q[h] . K[t, h / G]) @ V[t, h / G]
-// over the item's n keys. A token's K (and V) rows for all kv heads are contiguous in a page, so
-// the page is read as one stream; the next page is prefetched while this one is used.
-template <typename DimT>
-KVS_INLINE void attend_item(const float* q, float* out, const float* pool, const int32_t* table, int64_t n,
+// over the item's keys [tb, te). A token's K (and V) rows for all kv heads are contiguous in a page, so
+// the page is read as one stream; the next page is prefetched while this one is used. With `state` the
+// result stays unnormalized there ([H, D] sums, then H maxima and H sums: one part of a split context,
+// merge_parts), else it is normalized into out.
+template <typename DimT, typename KV>
+KVS_INLINE void attend_item(const float* q, float* out, const KV* pool, const int32_t* table, int64_t tb, int64_t te,
                             int64_t H, int64_t KVH, int64_t d_runtime, int64_t page_stride, int64_t v_offset,
-                            int64_t ps, float scale, std::vector<float>& scores) {
+                            int64_t ps, float scale, std::vector<float>& scores, float* state) {
   const int64_t D = DimT::value > 0 ? DimT::value : d_runtime;
-  const int64_t G = H / KVH, row_len = KVH * D, num_pages = (n + ps - 1) / ps;
+  const int64_t G = H / KVH, row_len = KVH * D, n = te - tb, first_page = tb / ps, end_page = (te + ps - 1) / ps;
   scores.resize(static_cast<size_t>(H) * n);
   float* s = scores.data();
+  float* acc = state ? state : out;
   for (int pass = 0; pass < 2; ++pass) {  // 0: scores from K; 1: weighted sum of V
     if (pass == 1) {
       for (int64_t h = 0; h < H; ++h) {
@@ -86,42 +104,47 @@ KVS_INLINE void attend_item(const float* q, float* out, const float* pool, const
           sh[t] = exp_nonpositive(sh[t] - mx);
           sum += sh[t];
         }
-        const float inv = 1.f / sum;
+        if (state) {
+          state[H * D + h] = mx;
+          state[H * D + H + h] = sum;
+        } else {
+          const float inv = 1.f / sum;
 #pragma omp simd
-        for (int64_t t = 0; t < n; ++t) sh[t] *= inv;
-        float* oh = out + h * D;
+          for (int64_t t = 0; t < n; ++t) sh[t] *= inv;
+        }
+        float* oh = acc + h * D;
         for (int64_t d = 0; d < D; ++d) oh[d] = 0.f;
       }
     }
     const int64_t base = pass == 0 ? 0 : v_offset;
-    for (int64_t pi = 0; pi < num_pages; ++pi) {
-      const float* page = pool + static_cast<int64_t>(table[pi]) * page_stride + base;
+    for (int64_t pi = first_page; pi < end_page; ++pi) {
+      const KV* page = pool + static_cast<int64_t>(table[pi]) * page_stride + base;
       // the next page's rows, one row ahead of their use: pages are scattered, so the hardware
       // prefetcher cannot see the jump from one to the next
-      const char* next = pi + 1 < num_pages
+      const char* next = pi + 1 < end_page
           ? reinterpret_cast<const char*>(pool + static_cast<int64_t>(table[pi + 1]) * page_stride + base) : nullptr;
-      const int64_t row_bytes = row_len * static_cast<int64_t>(sizeof(float));
-      const int64_t t0 = pi * ps, m = std::min(ps, n - t0);
-      for (int64_t o = 0; o < m; ++o) {
+      const int64_t row_bytes = row_len * static_cast<int64_t>(sizeof(KV));
+      const int64_t t0 = pi * ps - tb, o0 = std::max<int64_t>(0, -t0), m = std::min(ps, n - t0);
+      for (int64_t o = o0; o < m; ++o) {
         if (next) {
           for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(next + o * row_bytes + b);
         }
-        const float* rowp = page + o * row_len;
+        const KV* rowp = page + o * row_len;
         for (int64_t kvh = 0; kvh < KVH; ++kvh) {
-          const float* x = rowp + kvh * D;
+          const KV* x = rowp + kvh * D;
           for (int64_t g = 0; g < G; ++g) {
             const int64_t h = kvh * G + g;
             if (pass == 0) {
               const float* qh = q + h * D;
-              float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-              for (int64_t d = 0; d < D; ++d) acc += qh[d] * x[d];
-              s[h * n + t0 + o] = acc * scale;
+              float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+              for (int64_t d = 0; d < D; ++d) dot += qh[d] * kv_load(x, d);
+              s[h * n + t0 + o] = dot * scale;
             } else {
               const float p = s[h * n + t0 + o];
-              float* oh = out + h * D;
+              float* oh = acc + h * D;
 #pragma omp simd
-              for (int64_t d = 0; d < D; ++d) oh[d] += p * x[d];
+              for (int64_t d = 0; d < D; ++d) oh[d] += p * kv_load(x, d);
             }
           }
         }
@@ -130,10 +153,38 @@ KVS_INLINE void attend_item(const float* q, float* out, const float* pool, const
   }
 }
 
+// An item whose context was split into parts (each attend_item'd with a state): out[h] = the parts' sums, each
+// weighed by e^(its max - the overall max), over their sums weighed alike (the online softmax's merge).
+inline void merge_parts(float* out, const float* states, int64_t parts, int64_t H, int64_t D) {
+  const int64_t stride = H * (D + 2);
+  std::vector<float> w(static_cast<size_t>(parts));
+  for (int64_t h = 0; h < H; ++h) {
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t k = 0; k < parts; ++k) mx = std::max(mx, states[k * stride + H * D + h]);
+    float total = 0.f;
+    for (int64_t k = 0; k < parts; ++k) {
+      w[k] = std::exp(states[k * stride + H * D + h] - mx);
+      total += w[k] * states[k * stride + H * D + H + h];
+    }
+    const float inv = 1.f / total;
+    for (int64_t d = 0; d < D; ++d) {
+      float v = 0.f;
+      for (int64_t k = 0; k < parts; ++k) v += w[k] * states[k * stride + h * D + d];
+      out[h * D + d] = v * inv;
+    }
+  }
+}
+
+// One unit of work: keys [tb, te) of one (sequence, query) item; `part` >= 0 writes that part's state (a split item)
+struct Unit {
+  int64_t item, tb, te, part;
+};
+
+template <typename KV>
 struct Problem {
   const float* q;
   float* out;
-  const float* pool;  // already offset to (page 0, layer, K)
+  const KV* pool;  // already offset to (page 0, layer, K)
   const int32_t* tables;
   const int32_t* context_lens;
   const int32_t* query_start;
@@ -142,31 +193,32 @@ struct Problem {
   const int64_t* item_first;  // work item -> first query index inside its sequence
   int64_t table_width, H, KVH, D, ps, page_stride, v_offset, q_row_stride, out_row_stride;
   float scale;
+  float* states;  // [parts, H * (D + 2)]: the split items' partial results (Unit::part)
 };
 
-template <typename DimT>
-KVS_INLINE void run_items_body(const Problem& p, const std::vector<int64_t>& order, int64_t first, int64_t step) {
-  std::vector<float> scores;
-  for (int64_t at = first; at < static_cast<int64_t>(order.size()); at += step) {
-    const int64_t item = order[at];
-    const int64_t i = p.item_seq[item], j = p.item_first[item];
-    const int64_t n = p.context_lens[i] - p.query_len[i] + j + 1;  // keys this query may see
-    const int64_t row = p.query_start[i] + j;
-    attend_item<DimT>(p.q + row * p.q_row_stride, p.out + row * p.out_row_stride, p.pool, p.tables + i * p.table_width,
-                      n, p.H, p.KVH, p.D, p.page_stride, p.v_offset, p.ps, p.scale, scores);
-  }
+template <typename KV>
+KVS_INLINE float* unit_state(const Problem<KV>& p, const Unit& u) {
+  return u.part < 0 ? nullptr : p.states + u.part * p.H * (p.D + 2);
 }
 
-template <typename DimT>
-void run_items_generic(const Problem& p, const std::vector<int64_t>& order, int64_t first, int64_t step) {
-  run_items_body<DimT>(p, order, first, step);
+template <typename DimT, typename KV>
+KVS_INLINE void run_unit_body(const Problem<KV>& p, const Unit& u) {
+  thread_local std::vector<float> scores;
+  const int64_t i = p.item_seq[u.item], row = p.query_start[i] + p.item_first[u.item];
+  attend_item<DimT, KV>(p.q + row * p.q_row_stride, p.out + row * p.out_row_stride, p.pool, p.tables + i * p.table_width,
+                        u.tb, u.te, p.H, p.KVH, p.D, p.page_stride, p.v_offset, p.ps, p.scale, scores,
+                        unit_state(p, u));
+}
+
+template <typename DimT, typename KV>
+void run_unit_generic(const Problem<KV>& p, const Unit& u) {
+  run_unit_body<DimT, KV>(p, u);
 }
 
 #ifdef KVS_X86
-template <typename DimT>
-__attribute__((target("arch=x86-64-v3"))) void run_items_avx2(const Problem& p, const std::vector<int64_t>& order,
-                                                              int64_t first, int64_t step) {
-  run_items_body<DimT>(p, order, first, step);
+template <typename DimT, typename KV>
+__attribute__((target("arch=x86-64-v3"))) void run_unit_avx2(const Problem<KV>& p, const Unit& u) {
+  run_unit_body<DimT, KV>(p, u);
 }
 
 #pragma GCC push_options
@@ -187,6 +239,12 @@ KVS_INLINE __m512 exp512_nonpositive(__m512 x) {
   q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f));
   q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(q, n);
+}
+
+// 16 (or fewer, masked) K or V values of one row as fp32 lanes
+KVS_INLINE __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+KVS_INLINE __m512 load16(const bf16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 
 // 16 vectors of partial sums (a[t]: token t's products, 16 lanes) -> one vector of their 16 sums:
@@ -216,10 +274,12 @@ KVS_INLINE __m512 reduce16(const __m512* a) {
 // max / sum / output, then the block's V rows weighted in. State for all H heads stays in L1; the
 // block's rows (K and V of every kv head) are touched once, the next block's are prefetched.
 // NC = head_dim / 16 rounded up (the last chunk masked when head_dim is not a multiple of 16).
-template <int NC>
-KVS_INLINE void attend_item_avx512(const float* q, float* out, const float* pool, const int32_t* table, int64_t n,
-                                   int64_t H, int64_t KVH, int64_t D, int64_t page_stride, int64_t v_offset,
-                                   int64_t ps, float scale, const __m512i fix_lanes, std::vector<float>& state) {
+template <int NC, typename KV>
+KVS_INLINE void attend_item_avx512(const float* q, float* out, const KV* pool, const int32_t* table, int64_t tb,
+                                   int64_t te, int64_t H, int64_t KVH, int64_t D, int64_t page_stride,
+                                   int64_t v_offset, int64_t ps, float scale, const __m512i fix_lanes,
+                                   std::vector<float>& state, float* part) {
+  const int64_t n = te - tb;
   const int64_t G = H / KVH, row_len = KVH * D;
   const __mmask16 tail = static_cast<__mmask16>(D - 16 * (NC - 1) >= 16 ? 0xFFFF : (1u << (D - 16 * (NC - 1))) - 1);
   state.resize(static_cast<size_t>(H) * (16 * NC + 2));
@@ -231,15 +291,15 @@ KVS_INLINE void attend_item_avx512(const float* q, float* out, const float* pool
     mx[h] = -std::numeric_limits<float>::infinity();
     sm[h] = 0.f;
   }
-  const float* rows[16];
-  const float* next_rows[16];
-  int64_t cur_page = 0, cur_off = 0;  // the token rows in order, page by page (no division per row)
+  const KV* rows[16];
+  const KV* next_rows[16];
+  int64_t cur_page = tb / ps, cur_off = tb % ps;  // the token rows in order, page by page (no division per row)
   auto next_row = [&]() {
-    const float* r = pool + static_cast<int64_t>(table[cur_page]) * page_stride + cur_off * row_len;
+    const KV* r = pool + static_cast<int64_t>(table[cur_page]) * page_stride + cur_off * row_len;
     if (++cur_off == ps) cur_off = 0, ++cur_page;
     return r;
   };
-  const int64_t row_bytes = row_len * static_cast<int64_t>(sizeof(float));
+  const int64_t row_bytes = row_len * static_cast<int64_t>(sizeof(KV));
   for (int t = 0, m0 = static_cast<int>(std::min<int64_t>(16, n)); t < m0; ++t) next_rows[t] = next_row();
   for (int64_t t0 = 0; t0 < n; t0 += 16) {
     const int m = static_cast<int>(std::min<int64_t>(16, n - t0));
@@ -276,11 +336,11 @@ KVS_INLINE void attend_item_avx512(const float* q, float* out, const float* pool
         }
         __m512 part[16];
         for (int t = 0; t < 16; ++t) {
-          const float* k = rows[t] + kvh * D;
-          __m512 a = _mm512_mul_ps(qv[0], _mm512_maskz_loadu_ps(NC == 1 ? tail : 0xFFFF, k));
+          const KV* k = rows[t] + kvh * D;
+          __m512 a = _mm512_mul_ps(qv[0], load16(k, NC == 1 ? tail : 0xFFFF));
           for (int c = 1; c < NC; ++c) {
             const __mmask16 mk = c == NC - 1 ? tail : 0xFFFF;
-            a = _mm512_fmadd_ps(qv[c], _mm512_maskz_loadu_ps(mk, k + 16 * c), a);
+            a = _mm512_fmadd_ps(qv[c], load16(k + 16 * c, mk), a);
           }
           part[t] = a;
         }
@@ -301,10 +361,10 @@ KVS_INLINE void attend_item_avx512(const float* q, float* out, const float* pool
         for (int c = 0; c < NC; ++c) o[c] = _mm512_mul_ps(_mm512_loadu_ps(oh + 16 * c), av);
         for (int t = 0; t < m; ++t) {
           const __m512 w = _mm512_set1_ps(pw[t]);
-          const float* v = rows[t] + v_offset + kvh * D;
+          const KV* v = rows[t] + v_offset + kvh * D;
           for (int c = 0; c < NC; ++c) {
             const __mmask16 mk = c == NC - 1 ? tail : 0xFFFF;
-            o[c] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(mk, v + 16 * c), o[c]);
+            o[c] = _mm512_fmadd_ps(w, load16(v + 16 * c, mk), o[c]);
           }
         }
         for (int c = 0; c < NC; ++c) _mm512_storeu_ps(oh + 16 * c, o[c]);
@@ -312,30 +372,30 @@ KVS_INLINE void attend_item_avx512(const float* q, float* out, const float* pool
     }
   }
   for (int64_t h = 0; h < H; ++h) {
-    const __m512 inv = _mm512_set1_ps(1.f / sm[h]);
+    const __m512 inv = _mm512_set1_ps(part ? 1.f : 1.f / sm[h]);  // a part stays unnormalized (merge_parts)
+    float* dst = part ? part : out;
     for (int c = 0; c < NC; ++c) {
       const __mmask16 mk = c == NC - 1 ? tail : 0xFFFF;
-      _mm512_mask_storeu_ps(out + h * D + 16 * c, mk, _mm512_mul_ps(_mm512_loadu_ps(acc + h * 16 * NC + 16 * c), inv));
+      _mm512_mask_storeu_ps(dst + h * D + 16 * c, mk, _mm512_mul_ps(_mm512_loadu_ps(acc + h * 16 * NC + 16 * c), inv));
+    }
+    if (part) {
+      part[H * D + h] = mx[h];
+      part[H * D + H + h] = sm[h];
     }
   }
 }
 
-template <int NC>
-void run_items_avx512(const Problem& p, const std::vector<int64_t>& order, int64_t first, int64_t step) {
-  std::vector<float> state;
+template <int NC, typename KV>
+void run_unit_avx512(const Problem<KV>& p, const Unit& u) {
+  thread_local std::vector<float> state;
   // reduce16's lane l holds token 4 * (l % 4) + l / 4: gather them back into token order
   alignas(64) int32_t idx[16];
   for (int t = 0; t < 16; ++t) idx[t] = 4 * (t % 4) + t / 4;
   const __m512i fix_lanes = _mm512_load_si512(idx);
-  for (int64_t at = first; at < static_cast<int64_t>(order.size()); at += step) {
-    const int64_t item = order[at];
-    const int64_t i = p.item_seq[item], j = p.item_first[item];
-    const int64_t n = p.context_lens[i] - p.query_len[i] + j + 1;
-    const int64_t row = p.query_start[i] + j;
-    attend_item_avx512<NC>(p.q + row * p.q_row_stride, p.out + row * p.out_row_stride, p.pool,
-                           p.tables + i * p.table_width, n, p.H, p.KVH, p.D, p.page_stride, p.v_offset, p.ps,
-                           p.scale, fix_lanes, state);
-  }
+  const int64_t i = p.item_seq[u.item], row = p.query_start[i] + p.item_first[u.item];
+  attend_item_avx512<NC, KV>(p.q + row * p.q_row_stride, p.out + row * p.out_row_stride, p.pool,
+                             p.tables + i * p.table_width, u.tb, u.te, p.H, p.KVH, p.D, p.page_stride, p.v_offset,
+                             p.ps, p.scale, fix_lanes, state, unit_state(p, u));
 }
 
 #pragma GCC pop_options
@@ -395,41 +455,86 @@ std::string set_isa(const std::string& want) {
 
 std::string get_isa() { return isa_name(current_isa()); }
 
-template <typename DimT>
-void run_items(const Problem& p, const std::vector<int64_t>& order, int64_t first, int64_t step, Isa isa) {
+template <typename DimT, typename KV>
+void run_unit(const Problem<KV>& p, const Unit& u, Isa isa) {
 #ifdef KVS_X86
   if (isa == Isa::avx512) {
     switch ((p.D + 15) / 16) {
-      case 1: return run_items_avx512<1>(p, order, first, step);
-      case 2: return run_items_avx512<2>(p, order, first, step);
-      case 3: return run_items_avx512<3>(p, order, first, step);
-      case 4: return run_items_avx512<4>(p, order, first, step);
-      case 5: return run_items_avx512<5>(p, order, first, step);
-      case 6: return run_items_avx512<6>(p, order, first, step);
-      case 7: return run_items_avx512<7>(p, order, first, step);
-      case 8: return run_items_avx512<8>(p, order, first, step);
+      case 1: return run_unit_avx512<1, KV>(p, u);
+      case 2: return run_unit_avx512<2, KV>(p, u);
+      case 3: return run_unit_avx512<3, KV>(p, u);
+      case 4: return run_unit_avx512<4, KV>(p, u);
+      case 5: return run_unit_avx512<5, KV>(p, u);
+      case 6: return run_unit_avx512<6, KV>(p, u);
+      case 7: return run_unit_avx512<7, KV>(p, u);
+      case 8: return run_unit_avx512<8, KV>(p, u);
       default: break;  // head_dim > 128: the AVX2 loop
     }
   }
-  if (isa != Isa::generic) return run_items_avx2<DimT>(p, order, first, step);
+  if (isa != Isa::generic) return run_unit_avx2<DimT, KV>(p, u);
 #endif
-  run_items_generic<DimT>(p, order, first, step);
+  run_unit_generic<DimT, KV>(p, u);
 }
 
-// Work items longest first, each a chunk of the native pool's job: whichever thread is free takes the next
-// longest, so a few long sequences do not leave one thread working alone.
-template <typename DimT>
-void run(const Problem& p, const std::vector<int64_t>& order) {
-  const int64_t items = static_cast<int64_t>(order.size());
+// Each unit a chunk of the native pool's job, longest first: whichever thread is free takes the next longest, so a
+// few long sequences do not leave one thread working alone. Then the split items' parts are merged.
+template <typename DimT, typename KV>
+void run(const Problem<KV>& p, const std::vector<Unit>& units, const std::vector<std::array<int64_t, 3>>& splits) {
   const Isa isa = current_isa();
-  kvs::parallel_chunks(items, [&](int64_t at) { run_items<DimT>(p, order, at, items, isa); });
+  kvs::parallel_chunks(static_cast<int64_t>(units.size()), [&](int64_t at) { run_unit<DimT, KV>(p, units[at], isa); });
+  for (const auto& [item, first_part, parts] : splits) {
+    const int64_t i = p.item_seq[item], row = p.query_start[i] + p.item_first[item];
+    merge_parts(p.out + row * p.out_row_stride, p.states + first_part * p.H * (p.D + 2), parts, p.H, p.D);
+  }
+}
+
+template <typename KV>
+void run_dims(const Problem<KV>& p, const std::vector<Unit>& units, const std::vector<std::array<int64_t, 3>>& splits) {
+  switch (p.D) {
+    case 16: return run<Dim<16>, KV>(p, units, splits);
+    case 32: return run<Dim<32>, KV>(p, units, splits);
+    case 64: return run<Dim<64>, KV>(p, units, splits);
+    case 80: return run<Dim<80>, KV>(p, units, splits);
+    case 96: return run<Dim<96>, KV>(p, units, splits);
+    case 128: return run<Dim<128>, KV>(p, units, splits);
+    default: return run<Dim<0>, KV>(p, units, splits);
+  }
+}
+
+// A part of a split context holds at least this many keys (a multiple of 16, the AVX-512 loop's block)
+constexpr int64_t kMinPart = 128;
+
+// The work units for items of `keys[w]` keys each, longest first: one per item, or, while there are fewer items than
+// twice the threads (one or a few long sequences), an item's keys cut into parts of at least kMinPart keys, so that
+// every thread has work (each part's result is kept apart and merged after: `splits` holds (item, first part, parts)).
+std::vector<Unit> plan_units(const std::vector<int64_t>& keys, int64_t threads,
+                             std::vector<std::array<int64_t, 3>>* splits, int64_t* num_parts) {
+  const int64_t items = static_cast<int64_t>(keys.size()), want = 2 * threads;
+  std::vector<Unit> units;
+  *num_parts = 0;
+  for (int64_t w = 0; w < items; ++w) {
+    const int64_t n = keys[w];
+    const int64_t parts = threads > 1 && items < want ? std::min((want + items - 1) / items, n / kMinPart) : 1;
+    if (parts <= 1) {
+      units.push_back({w, 0, n, -1});
+      continue;
+    }
+    const int64_t len = (((n + parts - 1) / parts + 15) / 16) * 16;
+    const int64_t first = *num_parts;
+    for (int64_t tb = 0; tb < n; tb += len) units.push_back({w, tb, std::min(n, tb + len), (*num_parts)++});
+    splits->push_back({w, first, *num_parts - first});
+  }
+  std::stable_sort(units.begin(), units.end(), [](const Unit& a, const Unit& b) { return a.te - a.tb > b.te - b.tb; });
+  return units;
 }
 
 void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& pool, int64_t layer,
                      const at::Tensor& tables, const at::Tensor& context_lens, const at::Tensor& query_start,
                      const at::Tensor& query_len, double scale) {
-  TORCH_CHECK(pool.dim() == 6 && pool.is_contiguous() && pool.scalar_type() == at::kFloat && pool.device().is_cpu(),
-              "pool must be a contiguous fp32 CPU tensor [pages, layers, 2, page_size, kv_heads, head_dim]");
+  const bool bf16 = pool.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(pool.dim() == 6 && pool.is_contiguous() && (bf16 || pool.scalar_type() == at::kFloat) &&
+                  pool.device().is_cpu(),
+              "pool must be a contiguous fp32 or bf16 CPU tensor [pages, layers, 2, page_size, kv_heads, head_dim]");
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "q must be fp32 [T, H, D] with contiguous heads");
   TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == at::kFloat, "out must be like q");
@@ -460,24 +565,33 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
       item_first.push_back(j);
     }
   }
-  Problem p{q.data_ptr<float>(), out.data_ptr<float>(), pool.data_ptr<float>() + layer * 2 * ps * KVH * D, tab, lens,
-            qstart, qlen, item_seq.data(), item_first.data(), W, H, KVH, D, ps,
-            /*page_stride=*/L * 2 * ps * KVH * D, /*v_offset=*/ps * KVH * D,
-            q.stride(0), out.stride(0), static_cast<float>(scale)};
-  std::vector<int64_t> order(item_seq.size());
-  for (size_t w = 0; w < order.size(); ++w) order[w] = static_cast<int64_t>(w);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-    return lens[item_seq[a]] - qlen[item_seq[a]] + item_first[a] > lens[item_seq[b]] - qlen[item_seq[b]] + item_first[b];
-  });
-  switch (D) {
-    case 16: run<Dim<16>>(p, order); break;
-    case 32: run<Dim<32>>(p, order); break;
-    case 64: run<Dim<64>>(p, order); break;
-    case 80: run<Dim<80>>(p, order); break;
-    case 96: run<Dim<96>>(p, order); break;
-    case 128: run<Dim<128>>(p, order); break;
-    default: run<Dim<0>>(p, order); break;
+  const int64_t layer_off = layer * 2 * ps * KVH * D, page_stride = L * 2 * ps * KVH * D, v_offset = ps * KVH * D;
+  std::vector<int64_t> keys(item_seq.size());  // keys each query may see (causal, bottom-right aligned)
+  for (size_t w = 0; w < keys.size(); ++w) keys[w] = lens[item_seq[w]] - qlen[item_seq[w]] + item_first[w] + 1;
+  std::vector<std::array<int64_t, 3>> splits;
+  int64_t num_parts = 0;
+  const std::vector<Unit> units = plan_units(keys, kvs::threads(), &splits, &num_parts);
+  std::vector<float> states(static_cast<size_t>(num_parts * H * (D + 2)));
+  if (bf16) {
+    const auto* data = reinterpret_cast<const bf16_t*>(pool.data_ptr<c10::BFloat16>());
+    run_dims(Problem<bf16_t>{q.data_ptr<float>(), out.data_ptr<float>(), data + layer_off, tab, lens, qstart, qlen,
+                             item_seq.data(), item_first.data(), W, H, KVH, D, ps, page_stride, v_offset,
+                             q.stride(0), out.stride(0), static_cast<float>(scale), states.data()}, units, splits);
+  } else {
+    run_dims(Problem<float>{q.data_ptr<float>(), out.data_ptr<float>(), pool.data_ptr<float>() + layer_off, tab, lens,
+                            qstart, qlen, item_seq.data(), item_first.data(), W, H, KVH, D, ps, page_stride, v_offset,
+                            q.stride(0), out.stride(0), static_cast<float>(scale), states.data()}, units, splits);
   }
+}
+
+// How plan_units cuts items of these key counts at `threads` threads: the parts of each item (tests, bench)
+std::vector<int64_t> attention_parts(const std::vector<int64_t>& keys, int64_t threads) {
+  std::vector<std::array<int64_t, 3>> splits;
+  int64_t num_parts = 0;
+  plan_units(keys, threads, &splits, &num_parts);
+  std::vector<int64_t> parts(keys.size(), 1);
+  for (const auto& [item, first, n] : splits) parts[item] = n;
+  return parts;
 }
 
 }  // namespace
@@ -488,6 +602,7 @@ TORCH_LIBRARY(kvserve_paged, m) {
   // which build of the loop runs (avx512|avx2|generic; set_isa("") picks the best this CPU has)
   m.def("set_isa(str isa) -> str", &set_isa);
   m.def("isa() -> str", &get_isa);
+  m.def("attention_parts(int[] keys, int threads) -> int[]", &attention_parts);
 }
 
 TORCH_LIBRARY_IMPL(kvserve_paged, CPU, m) { m.impl("paged_attention", &paged_attention); }

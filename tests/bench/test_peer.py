@@ -45,6 +45,16 @@ def test_build_env_limits_the_compilers():
     assert "-DLLAMA_BUILD_TESTS=OFF" in env["CMAKE_ARGS"]
 
 
+def test_the_avx2_peer_is_built_without_avx512_in_its_own_directory_and_kvserve_capped_alike(tmp_path):
+    env = peer.build_env(2, "avx2")
+    assert "-DGGML_NATIVE=OFF" in env["CMAKE_ARGS"] and "-DGGML_AVX512=OFF" in env["CMAKE_ARGS"]
+    assert "-DGGML_AVX2=ON" in env["CMAKE_ARGS"] and "-DLLAMA_BUILD_TESTS=OFF" in env["CMAKE_ARGS"]
+    assert "GGML_NATIVE" not in peer.build_env(2)["CMAKE_ARGS"]
+    assert peer.peer_dir("avx2") == peer.PEER_DIR / "avx2" and peer.peer_dir() == peer.PEER_DIR
+    stack = peer.kvserve_stack(tmp_path, "redis://127.0.0.1:6379/14", "avx2")
+    assert stack.env["ATEN_CPU_CAPABILITY"] == "avx2" and stack.env["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+
+
 def test_parse_args():
     args = peer.parse_args([])
     assert (args.clients, args.seconds, args.max_tokens) == (32, 60, 64)

@@ -110,6 +110,9 @@ def test_dashboard_shows_pools_page_maps_incident_and_release(browser, dash_stac
         assert block.locator(".cell.owned, .cell.dirty, .cell.lost").count() == 0
         row = page.locator(f'#workers tr[data-worker="{w.worker_id}"]')
         assert row.locator(".used").text_content() == "0" and row.locator(".free").text_content() == "600"
+        assert "fp32 · KV float32 · scrub" in row.locator("td").first.text_content()  # precision and KV dtype
+        mb = NUM_PAGES * 30 * 2 * PAGE_SIZE * 3 * 64 * 4 / 2 ** 20  # what the pool holds: 4 bytes a value in fp32
+        assert row.locator(".capacity").text_content().endswith(f"{NUM_PAGES} pages × {PAGE_SIZE} · {mb:.1f} MB float32")
 
     # the incident is listed, its worker quarantined, the API limit gone
     incident = page.locator(f'.incident-row[data-incident="{incident_id}"]')

@@ -65,7 +65,8 @@ def _row(tenant, **fields):
 def test_metrics_read_live_state(client, registry, make_worker, tiny_model, django_capture_on_commit_callbacks):
     tenant = Tenant.objects.create(name="acme")
     decode = live_worker(registry, make_worker, "decode", worker_id="decode-1", num_pages=10)
-    live_worker(registry, make_worker, "prefill", worker_id="prefill-1", num_pages=512)
+    live_worker(registry, make_worker, "prefill", worker_id="prefill-1", num_pages=512, dtype="bfloat16",
+                page_shape=[30, 2, 16, 3, 64])
     decode.allocate("r1", 3)
     for status in ("queued", "queued", "decoding", "done", "failed"):
         chat_request(tenant, status=status)
@@ -146,6 +147,9 @@ def test_metrics_read_live_state(client, registry, make_worker, tiny_model, djan
     info = {dict(k[1])["worker"]: dict(k[1]) for k, v in m.items() if k[0] == "kvserve_cache_config_info" and v == 1}
     assert info["decode-1"] == {"worker": "decode-1", "role": "decode", "block_size": "16", "num_gpu_blocks": "10",
                                 "cache_dtype": "float32"}
+    assert info["prefill-1"]["cache_dtype"] == "bfloat16"
+    pool_bytes = {dict(k[1])["worker"]: v for k, v in m.items() if k[0] == "kvserve_worker_kv_pool_bytes"}
+    assert pool_bytes == {"prefill-1": 512 * 30 * 2 * 16 * 3 * 64 * 2}  # bf16: 2 bytes a value; decode-1 has no shape
     modes = {dict(k[1])["worker"]: dict(k[1])["mode"] for k, v in m.items() if k[0] == "kvserve_precision_info" and v == 1}
     assert modes["decode-1"] == "fp32"  # the registration's default (an older worker that sends no precision)
     assert m[("kvserve_incidents_total", (("kind", "lease_expired"), ("severity", "warning")))] == 2

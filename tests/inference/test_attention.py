@@ -18,12 +18,12 @@ from inference.kv_cache import PagePool, cdiv
 SHAPES = [(9, 3, 64), (4, 2, 16), (4, 4, 32), (8, 1, 128), (6, 2, 24), (8, 8, 64)]
 
 
-def random_case(h, kvh, d, *, page_size=4, layers=3, seed=0, num_pages=96):
-    """A pool of random K/V, a flat batch of decode rows, continued chunks and fresh chunks with
+def random_case(h, kvh, d, *, page_size=4, layers=3, seed=0, num_pages=96, dtype=torch.float32):
+    """A pool (of `dtype`) of random K/V, a flat batch of decode rows, continued chunks and fresh chunks with
     random (disjoint) page tables; pages no sequence owns hold NaN, so a stray read shows."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    pool = PagePool(num_pages, page_size, layers, kvh, d)
+    pool = PagePool(num_pages, page_size, layers, kvh, d, dtype=dtype)
     pool.data.copy_(torch.randn(pool.data.shape, generator=gen))
     free = list(range(num_pages))
     rng.shuffle(free)
@@ -60,10 +60,12 @@ def kernel_built():
     assert native.load(), f"the paged-attention kernel is not built ({native.load_error()}): run `make install`"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("h,kvh,d", SHAPES)
 @pytest.mark.parametrize("seed", [0, 1])
-def test_kernel_matches_sdpa_over_gathered_pages(h, kvh, d, seed):
-    pool, batch, q, k, v = random_case(h, kvh, d, seed=seed)
+def test_kernel_matches_sdpa_over_gathered_pages(h, kvh, d, seed, dtype):
+    """A bf16 pool too: its values widen exactly, so the kernel's fp32 math matches the reference's as tightly."""
+    pool, batch, q, k, v = random_case(h, kvh, d, seed=seed, dtype=dtype)
     for layer in range(pool.num_layers):
         ours = BACKENDS["native"](q, k, v, pool, layer, batch)
         ref = BACKENDS["sdpa"](q, k, v, pool, layer, AttentionBatch(**{**batch.__dict__, "cache": {}}))

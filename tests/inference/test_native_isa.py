@@ -33,10 +33,12 @@ def test_the_best_isa_of_this_cpu_is_the_default():
     assert native.set_isa("") == expected == native.isa()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("h,kvh,d", SHAPES)
-def test_every_isa_matches_sdpa_and_the_others(h, kvh, d, page_size):
-    pool, batch, q, k, v = random_case(h, kvh, d, page_size=page_size, seed=page_size + d, num_pages=400)
+def test_every_isa_matches_sdpa_and_the_others(h, kvh, d, page_size, dtype):
+    pool, batch, q, k, v = random_case(h, kvh, d, page_size=page_size, seed=page_size + d, num_pages=400,
+                                       dtype=dtype)
     ref = BACKENDS["sdpa"](q, k, v, pool, 2, AttentionBatch(**{**batch.__dict__, "cache": {}}))
     outs = {}
     for isa in runnable_isas():
@@ -48,8 +50,9 @@ def test_every_isa_matches_sdpa_and_the_others(h, kvh, d, page_size):
         torch.testing.assert_close(out, outs["generic"], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ctx", [1, 15, 16, 17, 31, 33, 300])
-def test_avx512_over_long_ragged_contexts_decode_and_chunks(ctx):
+def test_avx512_over_long_ragged_contexts_decode_and_chunks(ctx, dtype):
     """Contexts on each side of a 16-token block, decode rows and a chunk continuing its prefix."""
     from inference.attention import SeqBatch
     from inference.kv_cache import PagePool, cdiv
@@ -58,7 +61,7 @@ def test_avx512_over_long_ragged_contexts_decode_and_chunks(ctx):
         pytest.skip("this CPU has no avx512f")
     gen = torch.Generator().manual_seed(ctx)
     ps, h, kvh, d = 16, 9, 3, 64
-    pool = PagePool(96, ps, 2, kvh, d)
+    pool = PagePool(96, ps, 2, kvh, d, dtype=dtype)
     pool.data.copy_(torch.randn(pool.data.shape, generator=gen))
     chunk = min(ctx, 7)
     lens, qlens = [ctx, ctx + 5, max(1, ctx - 3), ctx], [1, 1, 1, chunk]
@@ -111,3 +114,58 @@ def test_torchs_cpu_capability_caps_every_native_loop(cap):
                          timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == [want, want]
+
+
+def test_few_long_items_are_cut_into_parts_and_many_are_not():
+    """Fewer items than twice the threads: each long one is cut into parts of at least 128 keys (one client's decode
+    step uses every thread); enough items, one thread, or short contexts: whole."""
+    assert native.attention_parts([512], 2) == [4]
+    assert native.attention_parts([512, 300], 2) == [2, 2]
+    assert native.attention_parts([512], 1) == [1]
+    assert native.attention_parts([200], 2) == [1]  # not two parts of 128
+    assert native.attention_parts([600] * 4, 2) == [1, 1, 1, 1]
+    assert native.attention_parts([4096], 8) == [16]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ctx", [256, 257, 300, 1000, 1037])
+def test_one_long_sequence_cut_into_parts_matches_the_reference_under_every_isa(ctx, dtype):
+    """One decode row alone (and one beside a chunk continuing its prefix) on the native pool's two threads: its keys
+    run as parts on both and are merged; the same attention as the reference, and as one thread (no parts)."""
+    from inference.attention import SeqBatch
+    from inference.kv_cache import PagePool, cdiv
+
+    gen = torch.Generator().manual_seed(ctx)
+    ps, h, kvh, d = 16, 9, 3, 64
+    pool = PagePool(cdiv(ctx + 40, ps) * 2 + 4, ps, 2, kvh, d, dtype=dtype)
+    pool.data.copy_(torch.randn(pool.data.shape, generator=gen))
+    perm = torch.randperm(pool.num_pages, generator=gen).tolist()
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    threads = native.threads()
+    try:
+        for lens, qlens in (([ctx], [1]), ([ctx, ctx // 2 + 3], [1, 2])):
+            width = max(cdiv(n, ps) for n in lens)
+            tables, at = [], 0
+            for n in lens:
+                tables.append(perm[at: at + cdiv(n, ps)] + [pool.null_page] * (width - cdiv(n, ps)))
+                at += cdiv(n, ps)
+            starts = [sum(qlens[:i]) for i in range(len(qlens))]
+            rows = sum(qlens)
+            batch = AttentionBatch(torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long),
+                                   paged=SeqBatch(i32(tables), i32(lens), i32(starts), i32(qlens), lens, starts, qlens),
+                                   page_size=ps, null_page=pool.null_page)
+            q = torch.randn(rows, h, d, generator=gen)
+            k = v = torch.zeros(rows, kvh, d)
+            ref = BACKENDS["sdpa"](q, k, v, pool, 1, AttentionBatch(**{**batch.__dict__, "cache": {}}))
+            keys = [n - ql + j + 1 for n, ql in zip(lens, qlens) for j in range(ql)]
+            assert max(native.attention_parts(keys, 2)) > 1  # the long row is cut
+            for isa in runnable_isas():
+                native.set_isa(isa)
+                native.set_threads(2)
+                parts = BACKENDS["native"](q, k, v, pool, 1, batch)
+                native.set_threads(1)
+                whole = BACKENDS["native"](q, k, v, pool, 1, batch)
+                torch.testing.assert_close(parts, ref, rtol=1e-5, atol=2e-5)
+                torch.testing.assert_close(parts, whole, rtol=1e-5, atol=2e-5)
+    finally:
+        native.set_threads(threads)

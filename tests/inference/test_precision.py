@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from inference import native
-from inference.precision import (CONTRACTS, GROUPED, MODES, Agreement, CodedWeight, Gemm, Int4Weight, choose,
-                                 compare_logits, gemm_for, group8_quantize, group_quantize, int4_max_rows, model_shapes,
+from inference.precision import (CONTRACTS, GROUPED, MODES, REDUCED_KV, Agreement, CodedWeight, Gemm, Int4Weight,
+                                 choose, compare_logits, gemm_for, group8_quantize, group_quantize, int4_max_rows,
+                                 kv_dtype_for, model_shapes,
                                  onednn_bf16_prepacks, precision_contract_holds, precision_fingerprint,
                                  resolve_precision, w4a8_max_rows)
 from tests.inference.helpers import greedy, make_engine
@@ -21,14 +22,22 @@ PROMPTS = ["What is the capital of France?", "Write one sentence about the ocean
 STEPS = 16
 
 
-def teacher_forced_logits(engine, ids: list[int]) -> torch.Tensor:
-    """Logits at every position of `ids`, run as one prefill chunk."""
+def teacher_forced_logits(real_model, ids: list[int], n_prompt: int, **config) -> torch.Tensor:
+    """The logits predicting ids[n_prompt:], teacher-forced as decode reads them: the prompt prefilled as one chunk
+    into the engine's pool, then the continuation as one chunk that reads the prompt's K/V back from the pool (in the
+    mode's KV dtype, through the native layer where the mode has one)."""
+    engine = make_engine(real_model, chunk_size=n_prompt, **config)
     seq = engine.add_request("tf", ids, greedy(1))
-    (chunk,) = engine.scheduler.schedule()
-    inp, pos, batch, _ = engine._prepare([chunk])
-    engine.block_manager.check_reads(seq, 0, len(ids))
-    logits = engine.model.logits(engine.model.forward(inp, pos, batch, engine.pool))
-    return logits
+    rows = []
+    for _ in range(2):
+        (chunk,) = engine.scheduler.schedule()
+        inp, pos, batch, _ = engine._prepare([chunk])
+        assert (batch.paged is None) == (seq.num_cached == 0)  # the second chunk reads the pool
+        engine.block_manager.check_reads(seq, seq.num_cached, chunk.num_tokens)
+        rows.append(engine.model.logits(engine.model.forward(inp, pos, batch, engine.pool)))
+        engine.block_manager.mark_written(seq, seq.num_cached + chunk.num_tokens)
+        seq.num_cached += chunk.num_tokens
+    return torch.cat([rows[0][-1:], rows[1][:-1]])
 
 
 @pytest.fixture(scope="module")
@@ -39,15 +48,14 @@ def fp32_runs(real_model):
         ids = real_model.tokenizer.encode_chat([{"role": "user", "content": text}])
         (seq,) = make_engine(real_model).generate([ids], greedy(STEPS))
         full = ids + seq.output_ids
-        logits = teacher_forced_logits(make_engine(real_model), full)[len(ids) - 1: -1]
-        runs.append((full, len(ids), logits))
+        runs.append((full, len(ids), teacher_forced_logits(real_model, full, len(ids))))
     return runs
 
 
 def agreement_of(real_model, fp32_runs, precision: str, **config) -> Agreement:
     refs, cands = [], []
     for full, n_prompt, ref in fp32_runs:
-        cand = teacher_forced_logits(make_engine(real_model, precision=precision, **config), full)[n_prompt - 1: -1]
+        cand = teacher_forced_logits(real_model, full, n_prompt, precision=precision, **config)
         refs.append(ref)
         cands.append(cand)
     got = compare_logits(torch.cat(refs), torch.cat(cands))
@@ -291,9 +299,40 @@ def test_the_precision_is_in_the_engines_fingerprint_and_attributes(real_model):
     bf16 = make_engine(real_model, precision="bf16")
     assert bf16.precision == bf16.model.precision == "bf16"
     assert bf16.fingerprint == precision_fingerprint(real_model.fingerprint, "bf16") != real_model.fingerprint
-    assert bf16.pool.data.dtype == torch.float32  # the KV cache stays fp32 in every mode
     fp16w = make_engine(real_model, precision="fp16w")
     assert len({bf16.fingerprint, fp16w.fingerprint, make_engine(real_model).fingerprint}) == 3
+
+
+def test_the_kv_pool_is_bf16_where_the_matmuls_are_reduced_and_the_models_dtype_elsewhere(real_model):
+    """auto: bf16 pages for bf16, int4w and w4a8 (half the bytes: twice the pages in the same KVSERVE_POOL_MB), fp32
+    for fp32 (Hugging Face's text) and fp16w; KVSERVE_KV_DTYPE overrides either way."""
+    pages = {}
+    for mode in MODES:
+        engine = make_engine(real_model, precision=mode, pool_mb=45)  # 64 fp32 pages of 720 KiB
+        want = torch.bfloat16 if mode in REDUCED_KV else torch.float32
+        assert engine.pool.data.dtype == want and engine.kv_dtype == str(want).removeprefix("torch."), mode
+        pages[mode] = engine.num_pages
+    assert pages["w4a8"] == pages["bf16"] == pages["int4w"] == 2 * pages["fp32"] == 2 * pages["fp16w"]
+    assert make_engine(real_model, precision="w4a8", kv_dtype="float32").pool.data.dtype == torch.float32
+    assert make_engine(real_model, kv_dtype="bfloat16").pool.data.dtype == torch.bfloat16
+
+
+def test_a_kv_dtype_other_than_the_models_is_for_an_fp32_model_on_the_cpu():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert kv_dtype_for("auto", "w4a8", torch.float32, cpu) == torch.bfloat16
+    assert kv_dtype_for("auto", "fp32", torch.bfloat16, cpu) == torch.bfloat16  # a bf16 model's own
+    assert kv_dtype_for("auto", "bf16", torch.float32, cuda) == torch.float32  # xformers: one dtype for q and pages
+    assert kv_dtype_for("float32", "w4a8", torch.float32, cpu) == torch.float32
+    with pytest.raises(ValueError, match="KVSERVE_KV_DTYPE=bfloat16 with a float32 model on cuda"):
+        kv_dtype_for("bfloat16", "fp32", torch.float32, cuda)
+    with pytest.raises(ValueError, match="KVSERVE_KV_DTYPE=float32 with a bfloat16 model on cpu"):
+        kv_dtype_for("float32", "fp32", torch.bfloat16, cpu)
+
+
+def test_a_bf16_pool_alone_meets_bf16s_contract(real_model, fp32_runs):
+    """fp32 matmuls over a bf16 pool: the error the pool adds to each reduced mode, measured on its own."""
+    got = agreement_of(real_model, fp32_runs, "fp32", kv_dtype="bfloat16")
+    assert precision_contract_holds("bf16", got) and got.max_abs_logit_diff > 0, got  # it did read bf16 pages
 
 
 def test_a_non_fp32_mode_needs_an_fp32_model(real_model):

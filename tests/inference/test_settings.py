@@ -70,7 +70,7 @@ def test_engine_and_runtime_defaults_are_the_dataclasses():
                                        ("KVSERVE_SCRUB", "sometimes"), ("KVSERVE_WATERMARK", "2"),
                                        ("KVSERVE_DTYPE", "int4"), ("KVSERVE_PREFIX_CACHE", "maybe"),
                                        ("KVSERVE_WINDOW", "-1"), ("KVSERVE_POOL_MB", "lots"),
-                                       ("KVSERVE_PRECISION", "int8")])
+                                       ("KVSERVE_PRECISION", "int8"), ("KVSERVE_KV_DTYPE", "fp8")])
 def test_a_malformed_engine_setting_is_refused(name, raw):
     with pytest.raises(SettingError, match=name):
         engine_settings(env={name: raw})

@@ -56,6 +56,34 @@ def test_prefill_then_decode_across_runtimes_matches_the_engine_alone(runtimes, 
     assert set(record["owners"]) == {"r1"} and record["page_epochs"] == record["epochs"]
 
 
+def test_a_bf16_pool_travels_as_bf16_pages_and_decodes_as_the_engine_alone(runtimes, tiny_model, redis_client):
+    """KVSERVE_KV_DTYPE=bfloat16 on both sides: registered as such, the blob half the bytes (signed bf16, checksums
+    over its bytes), the same tokens as one engine over a bf16 pool, every page scrubbed to zero bytes after."""
+    prefill, decode = runtimes("prefill", kv_dtype="bfloat16"), runtimes("decode", kv_dtype="bfloat16")
+    assert prefill.info().dtype == decode.info().dtype == "bfloat16"
+    prompt = list(range(10, 50))
+    (alone,) = make_engine(tiny_model, kv_dtype="bfloat16").generate([prompt], greedy(10))
+    handoff = prefill.prefill("r1", prompt, greedy(10))
+    assert handoff.verdict is Verdict.OK and handoff.dtype == handoff.blob_dtype == "bfloat16"
+    stored = redis_client.hget(prefill.transport.key("r1"), "blob")
+    assert stored is not None and len(stored) == handoff.num_pages * prefill.engine.pool.bytes_per_page
+    assert prefill.engine.pool.bytes_per_page * 2 == runtimes("prefill").engine.pool.bytes_per_page
+    seq = decode.decode("r1", prompt, greedy(10), handoff.to_dict())
+    assert seq.output_ids == alone.output_ids and seq.status is SeqStatus.FINISHED
+    for rt in (prefill, decode):
+        assert rt.ledger.num_free() == 64 and rt.engine.pool.data.view(torch.uint8).count_nonzero() == 0
+
+
+def test_a_decode_worker_refuses_kv_of_another_dtype(runtimes):
+    prefill, decode = runtimes("prefill", kv_dtype="bfloat16"), runtimes("decode")
+    prompt = list(range(10, 50))
+    handoff = prefill.prefill("r", prompt, greedy(4))
+    with pytest.raises(HandoffRefused) as err:
+        decode.decode("r", prompt, greedy(4), handoff.to_dict())
+    assert err.value.kind == "handoff_mismatch" and "bfloat16" in err.value.reason and "float32" in err.value.reason
+    assert decode.ledger.num_free() == 64 and not decode.engine.has_request("r")
+
+
 def test_a_prompt_prefill_cannot_hold_ends_rejected_with_nothing_taken_or_sent(runtimes, redis_client):
     prefill = runtimes("prefill")
     handoff = prefill.prefill("big", list(range(10, 1100)), greedy(10))

@@ -144,9 +144,9 @@
     var rows = d.workers.map(function (w) {
       return el("tr", { "class": "worker-row", "data-worker": w.id }, [
         el("td", {}, [el("strong", {}, [w.role]), " ", el("code", {}, [w.id]), el("br"), el("span", { "class": "hint" },
-          [w.host + " · " + w.device + " · " + w.dtype + " · scrub " + w.scrub_policy])]),
+          [w.host + " · " + w.device + " · " + w.precision + " · KV " + w.dtype + " · scrub " + w.scrub_policy])]),
         el("td", { "class": "capacity" }, [fmt(w.capacity_tokens), el("br"), el("span", { "class": "hint" },
-          [fmt(w.num_pages) + " pages × " + w.page_size])]),
+          [fmt(w.num_pages) + " pages × " + w.page_size + (w.pool_mb == null ? "" : " · " + fmt(w.pool_mb) + " MB " + w.dtype)])]),
         el("td", { "class": "window" }, [fmt(w.window)]),
         el("td", {}, [badge(w.safe ? "safe" : "unsafe", w.safe ? "SAFE" : "UNSAFE")]),
         el("td", { "class": "used" }, [fmt(w.used)]),
