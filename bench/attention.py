@@ -59,14 +59,15 @@ def engine_steps(model, seqs, context, dtypes, precision, repeats) -> dict:
     from inference.sequence import SamplingParams, SeqStatus
 
     prompts = chat_prompts(model.tokenizer, seqs, context, context, seed=0)
-    steps = repeats * 2 + 4
+    # the first sequences decode while the others prefill (one 512-token chunk a step): none may finish before all do
+    max_tokens = repeats * 2 + 8 + seqs * cdiv(context, 512)
     engines = {}
     for dtype in dtypes:
-        engine = Engine(model, EngineConfig(num_pages=seqs * cdiv(context + steps + 8, PAGE) + 64, page_size=PAGE,
+        engine = Engine(model, EngineConfig(num_pages=seqs * cdiv(context + max_tokens + 8, PAGE) + 64, page_size=PAGE,
                                             chunk_size=512, max_num_seqs=max(64, seqs), precision=precision,
                                             kv_dtype=dtype))
         t0 = time.perf_counter()
-        sq = [engine.add_request(f"attn-{i}", p, SamplingParams(max_tokens=steps + 4, ignore_eos=True))
+        sq = [engine.add_request(f"attn-{i}", p, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
               for i, p in enumerate(prompts)]
         while any(s.status is not SeqStatus.RUNNING for s in sq):
             engine.step()

@@ -70,6 +70,9 @@ def load() -> bool:
             raise FileNotFoundError(f"{path} is not built: run `make install` (or `python -m inference.native`)")
         torch.ops.load_library(str(path))
         torch.ops.kvserve_paged.set_isa(attn_isa_setting())  # one this CPU lacks fails the load
+        # the kernels' threads start at torch's own count (a process that sets neither uses every core for both);
+        # workers set theirs from their role and the host's budget (inference.threads)
+        torch.ops.kvserve_paged.set_native_threads(max(1, min(64, torch.get_num_threads())))
         _loaded["ok"] = True
     except Exception as exc:  # a missing or broken build is a fallback, never a crash
         _loaded["ok"], _loaded["error"] = False, f"{type(exc).__name__}: {exc}"
@@ -87,11 +90,11 @@ def paged_attention(out, q, pool, layer, tables, context_lens, query_start, quer
 
 
 
-def attention_parts(keys: list[int], threads: int) -> list[int]:
-    """How the kernel cuts items that see `keys` keys each at `threads` threads: the parts of each (1: whole)."""
+def attention_parts(keys: list[int]) -> list[int]:
+    """How the kernel cuts items that see `keys` keys each: the parts of each (1: whole), whatever the threads."""
     if not _loaded.get("ok") and not load():
         raise RuntimeError(f"the paged-attention kernel is not available: {load_error()}")
-    return list(torch.ops.kvserve_paged.attention_parts(keys, threads))
+    return list(torch.ops.kvserve_paged.attention_parts(keys))
 
 
 def fused_available() -> bool:

@@ -6,9 +6,10 @@
 // context_lens[i] tokens live in pages tables[i, 0..]. Query j of sequence i attends causally to
 // keys 0 .. context_lens[i] - query_len[i] + j (bottom-right aligned; a decode row sees them all).
 // Query head h reads KV head h / (H / KVH) (grouped-query attention; MHA when H == KVH).
-// One work item is (sequence, query): all its heads, so each page is read as one contiguous stream. With fewer
-// items than twice the threads (one or a few long sequences: one client's decode) an item's keys are cut into parts
-// run on different threads and merged after (plan_units, merge_parts), so one sequence's step uses every core.
+// One work item is (sequence, query): all its heads, so each page is read as one contiguous stream. An item of more
+// than kPartKeys keys runs as parts of at most that many, on whichever threads are free, merged after (plan_units,
+// merge_parts): one client's decode step uses every core. The cut depends on the item's keys alone, never on the
+// threads or the batch, so a sequence's numbers are the same alone, in any batch and at any thread count.
 //
 // Three builds of the loop live in one library, picked at run time (`__builtin_cpu_supports`, or
 // KVSERVE_ATTN_ISA=avx512|avx2|generic read at load, or the set_isa op): `avx512` (blocks of 16
@@ -153,25 +154,26 @@ KVS_INLINE void attend_item(const float* q, float* out, const KV* pool, const in
   }
 }
 
-// An item whose context was split into parts (each attend_item'd with a state): out[h] = the parts' sums, each
+// An item whose keys were cut into parts (each attend_item'd with a state): out[h] = the parts' sums, each
 // weighed by e^(its max - the overall max), over their sums weighed alike (the online softmax's merge).
 inline void merge_parts(float* out, const float* states, int64_t parts, int64_t H, int64_t D) {
   const int64_t stride = H * (D + 2);
-  std::vector<float> w(static_cast<size_t>(parts));
   for (int64_t h = 0; h < H; ++h) {
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t k = 0; k < parts; ++k) mx = std::max(mx, states[k * stride + H * D + h]);
     float total = 0.f;
+    float* oh = out + h * D;
+    for (int64_t d = 0; d < D; ++d) oh[d] = 0.f;
     for (int64_t k = 0; k < parts; ++k) {
-      w[k] = std::exp(states[k * stride + H * D + h] - mx);
-      total += w[k] * states[k * stride + H * D + H + h];
+      const float w = std::exp(states[k * stride + H * D + h] - mx);
+      total += w * states[k * stride + H * D + H + h];
+      const float* acc = states + k * stride + h * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) oh[d] += w * acc[d];
     }
     const float inv = 1.f / total;
-    for (int64_t d = 0; d < D; ++d) {
-      float v = 0.f;
-      for (int64_t k = 0; k < parts; ++k) v += w[k] * states[k * stride + h * D + d];
-      out[h * D + d] = v * inv;
-    }
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) oh[d] *= inv;
   }
 }
 
@@ -501,20 +503,19 @@ void run_dims(const Problem<KV>& p, const std::vector<Unit>& units, const std::v
   }
 }
 
-// A part of a split context holds at least this many keys (a multiple of 16, the AVX-512 loop's block)
-constexpr int64_t kMinPart = 128;
+// The most keys one part of an item holds: an item of n keys runs as cdiv(n, kPartKeys) parts of equal length
+// (rounded up to the AVX-512 loop's 16-key block). 256: one 512-token decode row is two parts (both of a 2-core
+// host's threads), while 32 such rows add 32 merges of two parts, a few microseconds a layer.
+constexpr int64_t kPartKeys = 256;
 
-// The work units for items of `keys[w]` keys each, longest first: one per item, or, while there are fewer items than
-// twice the threads (one or a few long sequences), an item's keys cut into parts of at least kMinPart keys, so that
-// every thread has work (each part's result is kept apart and merged after: `splits` holds (item, first part, parts)).
-std::vector<Unit> plan_units(const std::vector<int64_t>& keys, int64_t threads,
-                             std::vector<std::array<int64_t, 3>>* splits, int64_t* num_parts) {
-  const int64_t items = static_cast<int64_t>(keys.size()), want = 2 * threads;
+// The work units for items of `keys[w]` keys each, longest first (`splits`: (item, first part, parts) of each item
+// cut into parts; `num_parts`: the parts' states to keep).
+std::vector<Unit> plan_units(const std::vector<int64_t>& keys, std::vector<std::array<int64_t, 3>>* splits,
+                             int64_t* num_parts) {
   std::vector<Unit> units;
   *num_parts = 0;
-  for (int64_t w = 0; w < items; ++w) {
-    const int64_t n = keys[w];
-    const int64_t parts = threads > 1 && items < want ? std::min((want + items - 1) / items, n / kMinPart) : 1;
+  for (int64_t w = 0; w < static_cast<int64_t>(keys.size()); ++w) {
+    const int64_t n = keys[w], parts = (n + kPartKeys - 1) / kPartKeys;
     if (parts <= 1) {
       units.push_back({w, 0, n, -1});
       continue;
@@ -570,7 +571,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   for (size_t w = 0; w < keys.size(); ++w) keys[w] = lens[item_seq[w]] - qlen[item_seq[w]] + item_first[w] + 1;
   std::vector<std::array<int64_t, 3>> splits;
   int64_t num_parts = 0;
-  const std::vector<Unit> units = plan_units(keys, kvs::threads(), &splits, &num_parts);
+  const std::vector<Unit> units = plan_units(keys, &splits, &num_parts);
   std::vector<float> states(static_cast<size_t>(num_parts * H * (D + 2)));
   if (bf16) {
     const auto* data = reinterpret_cast<const bf16_t*>(pool.data_ptr<c10::BFloat16>());
@@ -584,11 +585,11 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   }
 }
 
-// How plan_units cuts items of these key counts at `threads` threads: the parts of each item (tests, bench)
-std::vector<int64_t> attention_parts(const std::vector<int64_t>& keys, int64_t threads) {
+// How plan_units cuts items of these key counts: the parts of each item (tests, bench)
+std::vector<int64_t> attention_parts(const std::vector<int64_t>& keys) {
   std::vector<std::array<int64_t, 3>> splits;
   int64_t num_parts = 0;
-  plan_units(keys, threads, &splits, &num_parts);
+  plan_units(keys, &splits, &num_parts);
   std::vector<int64_t> parts(keys.size(), 1);
   for (const auto& [item, first, n] : splits) parts[item] = n;
   return parts;
@@ -602,7 +603,7 @@ TORCH_LIBRARY(kvserve_paged, m) {
   // which build of the loop runs (avx512|avx2|generic; set_isa("") picks the best this CPU has)
   m.def("set_isa(str isa) -> str", &set_isa);
   m.def("isa() -> str", &get_isa);
-  m.def("attention_parts(int[] keys, int threads) -> int[]", &attention_parts);
+  m.def("attention_parts(int[] keys) -> int[]", &attention_parts);
 }
 
 TORCH_LIBRARY_IMPL(kvserve_paged, CPU, m) { m.impl("paged_attention", &paged_attention); }
