@@ -9,8 +9,6 @@ import hashlib
 
 import torch
 
-from inference.memory import huge_pages_advise
-
 
 def cdiv(a, b):
     """Ceiling division, for ints and integer tensors alike (pages needed for `a` tokens)."""
@@ -30,7 +28,6 @@ class PagePool:
         self.null_page = num_pages
         self.data = torch.empty(num_pages + 1, num_layers, 2, page_size, num_kv_heads, head_dim,
                                 dtype=dtype, device=device)
-        huge_pages_advise(self.data)  # before the first touch: 2 MB pages where Linux grants them
         self.data.fill_(0)  # touch every page now: first-touch faults would otherwise land on the hot path
         self.num_scrubbed = 0  # pages zeroed since start (a metric: kvserve_scrubbed_pages_total)
 

@@ -47,24 +47,6 @@ def _libc():
 _LIBC = _libc()
 
 
-HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
-MADV_HUGEPAGE = 14
-
-
-def huge_pages_advise(tensor) -> int:
-    """Asks Linux to back the 2 MB-aligned inside of `tensor`'s memory with transparent huge pages (it honours this
-    where THP is `madvise` or `always`), before its first touch: a KV pool's scattered pages then cost a TLB entry
-    per 2 MB instead of per 4 KB (the attention kernel at 32 sequences ~5 % faster, within this VM's noise). Returns
-    the bytes advised (0 where nothing 2 MB-aligned fits, or the call is not there or refused)."""
-    start = tensor.data_ptr()
-    first = -(-start // HUGE_PAGE) * HUGE_PAGE
-    last = (start + tensor.numel() * tensor.element_size()) // HUGE_PAGE * HUGE_PAGE
-    if _LIBC is None or last <= first or tensor.device.type != "cpu":
-        return 0
-    ok = _LIBC.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_HUGEPAGE) == 0
-    return last - first if ok else 0
-
-
 def release_freed_memory() -> bool:
     """Collects Python garbage and returns free malloc pages to the kernel; False where libc has no
     malloc_trim (not glibc), in which case only the collection ran."""

@@ -65,25 +65,3 @@ def test_export_import_round_trip_and_checksums_detect_a_flipped_bit(dtype):
     blob.view(torch.uint8)[1, 0, 0, 0, 0, 0] ^= 1  # the lowest bit of one value of the second page
     assert page_checksums(blob)[0] == sums[0] and page_checksums(blob)[1] != sums[1]
 
-
-def anon_huge_kb_around(address: int) -> int:
-    """AnonHugePages of the mapping holding `address` (/proc/self/smaps)."""
-    inside, huge = False, 0
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and all(c in "0123456789abcdef-" for c in head):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and line.startswith("AnonHugePages:"):
-                huge = int(line.split()[1])
-    return huge
-
-
-def test_the_pool_asks_for_huge_pages_before_its_first_touch():
-    """Where transparent huge pages are `madvise` or `always`, the pool's 2 MB-aligned inside is backed by them."""
-    mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
-    pool = make_pool(num_pages=64, page_size=16, num_layers=30, num_kv_heads=3, head_dim=64)  # 46 MB
-    if "[never]" in mode:
-        pytest.skip("transparent huge pages are off on this machine")
-    assert anon_huge_kb_around(pool.data.data_ptr() + 8 * 2 ** 20) >= 2048
