@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from inference import native
-from inference.attention import BACKENDS, AttentionBatch
+from inference.attention import BACKENDS, AttentionBatch, SeqBatch
+from inference.kv_cache import PagePool, cdiv
 from tests.inference.test_attention import random_case
 
 SHAPES = [(9, 3, 64), (4, 2, 16), (4, 4, 32), (8, 1, 128), (6, 2, 24), (9, 3, 80), (4, 2, 160)]
@@ -50,13 +51,32 @@ def test_every_isa_matches_sdpa_and_the_others(h, kvh, d, page_size, dtype):
         torch.testing.assert_close(out, outs["generic"], rtol=1e-5, atol=1e-5)
 
 
+def decode_batch(pool, heads, lens, qlens, gen):
+    """Sequences of `lens` keys (the last `qlens` of each this step's queries) on shuffled pages of `pool`, null-page
+    padded; with random queries and the SDPA reference's output."""
+    ps = pool.page_size
+    perm = torch.randperm(pool.num_pages, generator=gen).tolist()
+    width = max(cdiv(n, ps) for n in lens)
+    tables, at = [], 0
+    for n in lens:
+        tables.append(perm[at: at + cdiv(n, ps)] + [pool.null_page] * (width - cdiv(n, ps)))
+        at += cdiv(n, ps)
+    starts = [sum(qlens[:i]) for i in range(len(qlens))]
+    rows = sum(qlens)
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    batch = AttentionBatch(torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long),
+                           paged=SeqBatch(i32(tables), i32(lens), i32(starts), i32(qlens), lens, starts, qlens),
+                           page_size=ps, null_page=pool.null_page)
+    q = torch.randn(rows, heads, pool.head_dim, generator=gen)
+    k = v = torch.zeros(rows, pool.num_kv_heads, pool.head_dim)
+    ref = BACKENDS["sdpa"](q, k, v, pool, 1, AttentionBatch(**{**batch.__dict__, "cache": {}}))
+    return batch, q, k, v, ref
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ctx", [1, 15, 16, 17, 31, 33, 300])
 def test_avx512_over_long_ragged_contexts_decode_and_chunks(ctx, dtype):
     """Contexts on each side of a 16-token block, decode rows and a chunk continuing its prefix."""
-    from inference.attention import SeqBatch
-    from inference.kv_cache import PagePool, cdiv
-
     if "avx512" not in runnable_isas():
         pytest.skip("this CPU has no avx512f")
     gen = torch.Generator().manual_seed(ctx)
@@ -64,22 +84,7 @@ def test_avx512_over_long_ragged_contexts_decode_and_chunks(ctx, dtype):
     pool = PagePool(96, ps, 2, kvh, d, dtype=dtype)
     pool.data.copy_(torch.randn(pool.data.shape, generator=gen))
     chunk = min(ctx, 7)
-    lens, qlens = [ctx, ctx + 5, max(1, ctx - 3), ctx], [1, 1, 1, chunk]
-    perm = torch.randperm(96, generator=gen).tolist()
-    width = max(cdiv(n, ps) for n in lens)
-    tables, at = [], 0
-    for n in lens:
-        tables.append(perm[at: at + cdiv(n, ps)] + [pool.null_page] * (width - cdiv(n, ps)))
-        at += cdiv(n, ps)
-    starts = [0, 1, 2, 3]
-    rows = sum(qlens)
-    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
-    batch = AttentionBatch(torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long),
-                           paged=SeqBatch(i32(tables), i32(lens), i32(starts), i32(qlens), lens, starts, qlens),
-                           page_size=ps, null_page=pool.null_page)
-    q = torch.randn(rows, h, d, generator=gen)
-    k = v = torch.zeros(rows, kvh, d)
-    ref = BACKENDS["sdpa"](q, k, v, pool, 1, AttentionBatch(**{**batch.__dict__, "cache": {}}))
+    batch, q, k, v, ref = decode_batch(pool, h, [ctx, ctx + 5, max(1, ctx - 3), ctx], [1, 1, 1, chunk], gen)
     native.set_isa("avx512")
     torch.testing.assert_close(BACKENDS["native"](q, k, v, pool, 1, batch), ref, rtol=1e-5, atol=2e-5)
     native.set_isa("avx2")
@@ -128,40 +133,23 @@ def test_an_item_is_cut_by_its_keys_alone():
 def test_one_long_sequence_cut_into_parts_matches_the_reference_under_every_isa(ctx, dtype):
     """One decode row alone (and one beside a chunk continuing its prefix): its keys run as parts on the native
     pool's threads and are merged; the same attention as the reference, and bit for bit the same at one thread."""
-    from inference.attention import SeqBatch
-    from inference.kv_cache import PagePool, cdiv
-
     gen = torch.Generator().manual_seed(ctx)
     ps, h, kvh, d = 16, 9, 3, 64
     pool = PagePool(cdiv(ctx + 40, ps) * 2 + 4, ps, 2, kvh, d, dtype=dtype)
     pool.data.copy_(torch.randn(pool.data.shape, generator=gen))
-    perm = torch.randperm(pool.num_pages, generator=gen).tolist()
-    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
     threads = native.threads()
     try:
         for lens, qlens in (([ctx], [1]), ([ctx, ctx // 2 + 3], [1, 2])):
-            width = max(cdiv(n, ps) for n in lens)
-            tables, at = [], 0
-            for n in lens:
-                tables.append(perm[at: at + cdiv(n, ps)] + [pool.null_page] * (width - cdiv(n, ps)))
-                at += cdiv(n, ps)
-            starts = [sum(qlens[:i]) for i in range(len(qlens))]
-            rows = sum(qlens)
-            batch = AttentionBatch(torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long),
-                                   paged=SeqBatch(i32(tables), i32(lens), i32(starts), i32(qlens), lens, starts, qlens),
-                                   page_size=ps, null_page=pool.null_page)
-            q = torch.randn(rows, h, d, generator=gen)
-            k = v = torch.zeros(rows, kvh, d)
-            ref = BACKENDS["sdpa"](q, k, v, pool, 1, AttentionBatch(**{**batch.__dict__, "cache": {}}))
+            batch, q, k, v, ref = decode_batch(pool, h, lens, qlens, gen)
             keys = [n - ql + j + 1 for n, ql in zip(lens, qlens) for j in range(ql)]
             assert max(native.attention_parts(keys)) > 1  # the long row is cut
             for isa in runnable_isas():
                 native.set_isa(isa)
                 native.set_threads(2)
-                parts = BACKENDS["native"](q, k, v, pool, 1, batch)
+                two_threads = BACKENDS["native"](q, k, v, pool, 1, batch)
                 native.set_threads(1)
-                whole = BACKENDS["native"](q, k, v, pool, 1, batch)  # the same parts, one after the other
-                torch.testing.assert_close(parts, ref, rtol=1e-5, atol=2e-5)
-                assert torch.equal(parts, whole)  # the threads change who computes a part, not its numbers
+                one_thread = BACKENDS["native"](q, k, v, pool, 1, batch)  # the same parts, one after the other
+                torch.testing.assert_close(two_threads, ref, rtol=1e-5, atol=2e-5)
+                assert torch.equal(two_threads, one_thread)  # the threads change who computes a part, not its numbers
     finally:
         native.set_threads(threads)
