@@ -162,3 +162,16 @@ def _greedy(n):
     from inference.sequence import SamplingParams
 
     return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def test_kernel_and_rope_store_refuse_a_pool_neither_fp32_nor_bf16():
+    """An fp16 pool read as fp32 would be garbage (and twice its bytes): refused before anything is read or written."""
+    pool, batch, q, k, v = random_case(4, 2, 16, dtype=torch.float16)
+    sb = batch.paged
+    with pytest.raises(RuntimeError, match="fp32 or bf16"):
+        native.paged_attention(torch.empty_like(q), q, pool.data, 0, sb.tables, sb.context_lens, sb.query_start,
+                               sb.query_len, 0.25)
+    qkv = torch.randn(2, (4 + 2 * 2) * 16)
+    with pytest.raises(RuntimeError, match="fp32 or bf16"):
+        native.rope_store(qkv, torch.ones(2, 16), torch.ones(2, 16), pool.data, 0, torch.tensor([1, 2]),
+                          torch.tensor([0, 0]), 4, 2)
