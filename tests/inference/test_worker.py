@@ -583,7 +583,8 @@ def test_a_decode_pool_short_of_pages_preempts_and_recomputes_from_the_sequences
         for t in threads:
             t.join(60)
         assert {rid: box[rid].output_ids for rid in prompts} == alone
-        assert decode.engine.scheduler.num_preemptions >= 1 and box["r1"].num_preemptions >= 1
+        # the newest admitted is preempted: r1, unless r1's command reached the loop first (the two threads race)
+        assert decode.engine.scheduler.num_preemptions >= 1 and any(box[rid].num_preemptions for rid in prompts)
         assert decode.ledger.num_free() == 8
         decode.ledger.check_integrity()
         for rid in prompts:
