@@ -203,14 +203,14 @@ class HostLedger:
                 self._hold(reader)
             return ok
 
-    def unread(self, reader: str) -> int:
-        try:
-            return self.ledger.unread(reader)
-        except PoolLost as exc:
-            self.pool_lost = str(exc)
-        except UNREACHABLE as exc:  # its lease (renewed while it runs) is reaped after it ends: the reads go too
-            log.warning("could not end %s's reads (its lease will be reaped): %r", reader, exc)
-        return 0
+    def unread(self, reader: str) -> None:
+        """Ends `reader`'s reads. One Redis cannot take now waits for retry_deferred (the next beat once Redis is
+        back), or for the reader's lease to be reaped, whichever comes first: until then the pages stay cached and
+        cannot be evicted, never freed under a reader."""
+        self._settle([("unread", reader)])
+
+    def _unread(self, reader, retry=False) -> None:
+        self.ledger.unread(reader)  # a repeat, or one after a reap, finds no reads and ends none
 
     def evict(self, salt: str, pages, epochs) -> None:
         """Cached pages leave the cache; the engine forgets and scrubs them whatever Redis answers."""

@@ -18,6 +18,7 @@ from redis.retry import Retry
 
 from inference.engine import EngineConfig
 from inference.faults import Faults
+from inference.retry import BACKOFF_S
 from inference.sequence import SeqStatus
 from inference.worker import RequestFailed, RuntimeOptions, WorkerRuntime
 from tests.e2e.stack import free_port
@@ -112,6 +113,9 @@ class Fault:
         elif self.kind == "restart":  # down for a moment, back with its data (AOF)
             self.server.kill()
             threading.Timer(0.5, self.server.start).start()
+        elif self.kind == "outage":  # down longer than a dropped connection's repeats wait (inference.retry)
+            self.server.kill()
+            threading.Timer(sum(BACKOFF_S) + 1.0, self.server.start).start()
 
 
 def wait_until(predicate, timeout_s=30.0, what="it"):
@@ -164,8 +168,9 @@ def drain_and_check(runtime, admin):
     and marked clean; then the engine holds no sequence and the pool's owned pages are its cached pages."""
     e = runtime.engine
     wait_until(lambda: not runtime._futures and not runtime._pending, what="requests to end")
-    for _ in range(2):  # the second beat reaps owners the first one's deferred settlements let go
-        wait_until(lambda: runtime.beat(now_ms=server_ms(admin) + 10**9) or True, what="a beat")
+    for k in (1, 2):  # the second beat, past every lease the first renewed, reaps owners that the first one's
+        # deferred settlements (retried after its renewals) let go
+        wait_until(lambda: runtime.beat(now_ms=server_ms(admin) + k * 10**9) or True, what="a beat")
     wait_until(lambda: not runtime._unclean and not admin.smembers(runtime.ledger.key("dirty")),
                what="dirty pages to be scrubbed")
     assert e.seqs == {}, f"sequences left in the engine: {e.seqs}"
@@ -252,5 +257,30 @@ def test_a_redis_fault_at_the_release_of_a_violating_request_leaves_no_page_unsc
                                             timeout_s=30))
     assert fault.fired.is_set() and outcome == "kv_isolation_violation", outcome
     wait_until(lambda: admin.ping(), what="Redis back")
+    for rt in (prefill, decode):
+        drain_and_check(rt, admin)
+
+
+def test_reads_redis_could_not_end_end_once_it_is_back_not_when_the_lease_runs_out(stack, own_redis):
+    """A request that read cached pages ends while Redis is down past the repeats (its unread never runs): the
+    unread waits as a deferred settlement and goes through at the first beat once Redis is back, long before
+    the reader's lease (30 s here) would be reaped, so the cached pages are evictable again within a beat."""
+    make, admin = stack
+    prefill, decode = make("prefill", 8), make("decode", 32)
+    fault = Fault(own_redis, admin, "outage")
+    fault.arm(prefill, "unread")
+    prefix = list(range(10, 42))  # two full pages: cached by the first request, read by the second
+    for i in range(2):
+        prompt = prefix + [50 + i, 60 + i, 70 + i]
+        attempt(lambda: decode.decode(f"u{i}", prompt, greedy(4), prefill.prefill(
+            f"u{i}", prompt, greedy(4), salt=SALTS[0], timeout_s=30).to_dict(), timeout_s=30))
+    assert fault.fired.is_set(), "the second request read no cached page"
+    wait_until(lambda: admin.ping(), what="Redis back")
+
+    def readers():
+        return {p: s["readers"] for p, s in prefill.ledger.snapshot().items() if isinstance(s, dict) and s["readers"]}
+
+    wait_until(lambda: not readers(), timeout_s=10, what="the deferred unread (beats every 0.5 s; lease 30 s)")
+    assert prefill.ledger.reads_of("u1") == []
     for rt in (prefill, decode):
         drain_and_check(rt, admin)
