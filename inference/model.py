@@ -101,11 +101,11 @@ class Llama:
                     down=pack(p + "mlp.down_proj.weight"),
                 )
             )
-        # a decode step's layers in one native call each (w4a8 at its codes' rows): Python's ~20 calls a layer
+        # a decode step's layers in one native call (w4a8 at its codes' rows): Python's ~20 calls a layer
         # otherwise outweigh one row's matmuls (tests/inference/test_native_layer.py: the same numbers)
         native_layers = [self._native_layer_weights(layer) for layer in self.layers] \
             if precision == "w4a8" and self._fused_norm and attention_backend == "native" else [None]
-        self._native_layers = None if None in native_layers else native_layers
+        self._native_layers = None if None in native_layers else [t for layer in native_layers for t in layer]
         self._native_rows = min((self.layers[0][n].max_rows for n in ("qkv", "o", "gate_up", "down")), default=0) \
             if self._native_layers else 0  # every layer has the same shapes: the first one's rows stand for all
         inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
@@ -153,9 +153,8 @@ class Llama:
         cos, sin = cos2.unsqueeze(1), sin2.unsqueeze(1)
         if self._native_step(x.shape[0], batch):
             scale, eps = 1.0 / math.sqrt(c.head_dim), c.rms_eps
-            for layer_idx, weights in enumerate(self._native_layers):
-                native.decode_layer(x, weights, cos2, sin2, kv.data, layer_idx, batch.slot_pages, batch.slot_offsets,
-                                    batch.paged, scale, c.num_heads, c.num_kv_heads, eps)
+            native.decode_layers(x, self._native_layers, cos2, sin2, kv.data, batch.slot_pages, batch.slot_offsets,
+                                 batch.paged, scale, c.num_heads, c.num_kv_heads, eps)
             return x
         fused_rope = self._fused_norm and kv.data.dtype in (torch.float32, torch.bfloat16) and kv.data.is_contiguous()
         for layer_idx, layer in enumerate(self.layers):

@@ -1,6 +1,6 @@
 """The native CPU kernels: paged attention (paged_attention.cpp), the fused elementwise ops of a layer
 (fused.cpp: RMSNorm; RoPE with the K/V pool write), precision w4a8's integer matmul of the file's own weight
-blocks (quant.cpp) and a whole w4a8 decoder layer of a decode step in one call (layer.cpp), built by `make install` (`python -m inference.native`) into
+blocks (quant.cpp) and a w4a8 decode step's decoder layers in one call (layer.cpp), built by `make install` (`python -m inference.native`) into
 inference/native/build/ as one library, loaded here as torch.ops.kvserve_paged.
 
 The build is keyed by a hash of the source, the torch version and the flags, so a stale library is
@@ -172,10 +172,10 @@ def quant_isa(name: str = "") -> str:
     return torch.ops.kvserve_paged.quant_isa(name)
 
 
-def decode_layer(x, weights, cos, sin, pool, layer: int, pages, offsets, paged, scale: float, heads: int,
-                 kv_heads: int, eps: float) -> None:
-    """One w4a8 decoder layer over rows that all read the pool (`paged`: inference.attention.SeqBatch), x
-    updated in place (layer.cpp); `weights`: Llama._native_layer_weights."""
-    torch.ops.kvserve_paged.decode_layer(x, weights, cos, sin, pool, layer, pages, offsets, paged.tables,
-                                         paged.context_lens, paged.query_start, paged.query_len, scale, heads,
-                                         kv_heads, eps)
+def decode_layers(x, weights, cos, sin, pool, pages, offsets, paged, scale: float, heads: int, kv_heads: int,
+                  eps: float) -> None:
+    """Every w4a8 decoder layer over rows that all read the pool (`paged`: inference.attention.SeqBatch), x updated
+    in place (layer.cpp); `weights`: Llama._native_layer_weights of each layer, in layer order, as one flat list."""
+    torch.ops.kvserve_paged.decode_layers(x, weights, cos, sin, pool, pages, offsets, paged.tables,
+                                          paged.context_lens, paged.query_start, paged.query_len, scale, heads,
+                                          kv_heads, eps)

@@ -1,4 +1,4 @@
-"""A w4a8 decode step's layers in one native call each (inference/native/layer.cpp) compute what the Python loop
+"""A w4a8 decode step's layers in one native call (inference/native/layer.cpp) compute what the Python loop
 of inference/model.py computes, bit for bit, and only where every row reads the pool."""
 import pytest
 import torch
@@ -75,10 +75,11 @@ def test_the_native_layer_is_off_where_it_does_not_apply(real_model, codes_rows)
     assert not any(paths)  # three decode rows a step: above the codes' rows, the dense Python path
 
 
-def test_decode_layer_refuses_a_wrong_weight_list():
-    with pytest.raises(RuntimeError, match="14 weight tensors"):
-        torch.ops.kvserve_paged.decode_layer(torch.zeros(1, 8), [torch.zeros(1)] * 3, torch.zeros(1, 4), torch.zeros(1, 4),
-                                             torch.zeros(2, 1, 2, 4, 1, 4), 0, torch.zeros(1, dtype=torch.long),
-                                             torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.int32),
-                                             torch.ones(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
-                                             torch.ones(1, dtype=torch.int32), 1.0, 1, 1, 1e-5)
+def test_decode_layers_refuses_a_wrong_weight_list():
+    args = (torch.zeros(1, 4), torch.zeros(1, 4), torch.zeros(2, 1, 2, 4, 1, 4), torch.zeros(1, dtype=torch.long),
+            torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
+            torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1.0, 1, 1, 1e-5)
+    with pytest.raises(RuntimeError, match="14 weight tensors a layer"):
+        torch.ops.kvserve_paged.decode_layers(torch.zeros(1, 8), [torch.zeros(1)] * 3, *args)
+    with pytest.raises(RuntimeError, match="2 layers of weights for a pool of 1 layers"):
+        torch.ops.kvserve_paged.decode_layers(torch.zeros(1, 8), [torch.zeros(1)] * 28, *args)
