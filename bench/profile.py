@@ -16,7 +16,8 @@ Buckets (self CPU time of the ops on the engine thread, summed over the profiled
   other_ops  every other aten op (RMSNorm, RoPE, SiLU, adds, embedding, sampling, tensor building)
   host       step wall time minus all of the above: Python, the scheduler, the guard, detokenization
 
-Ends with one JSON line: ms per step and the fraction of each bucket, plus the process CPU time of
+Ends with one JSON line: ms per step and the fraction of each bucket, the unprofiled step's median over the
+matmuls' time (`step_over_matmul`: issue 23's one-sequence target is 1.5), plus the process CPU time of
 an unprofiled step (`step_cpu_ms_median`): with --threads 1 on a shared machine it is the figure
 that other processes' load does not inflate (wall time does).
 """
@@ -82,7 +83,9 @@ def profile_steps(engine, prompts, steps: int) -> dict:
     top = sorted(ops.items(), key=lambda kv: -kv[1])[:12]
     plain.sort()
     cpu.sort()
+    matmul_ms = spent["matmul"] / steps * 1e3
     return dict(step_ms_profiled=wall / steps * 1e3, step_ms_median=plain[len(plain) // 2] * 1e3,
+                step_over_matmul=plain[len(plain) // 2] * 1e3 / matmul_ms if matmul_ms else None,
                 step_cpu_ms_median=cpu[len(cpu) // 2] * 1e3,
                 **{f"fraction_{b}": spent[b] / total for b in BUCKETS},
                 **{f"ms_{b}": spent[b] / steps * 1e3 for b in BUCKETS},

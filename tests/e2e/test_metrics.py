@@ -56,11 +56,18 @@ def test_traffic_adds_up_in_the_histograms_and_counters(stack):
     usages = [a.usage for a in answers] + [streamed[-1].usage]
     completion = sum(u.completion_tokens for u in usages)
     deadline = time.monotonic() + 60
-    while True:  # decode workers send their token timings with their heartbeat
+    while True:  # each worker sends its counters and timings with its own heartbeat: wait for both workers' beats
         after, names, _ = scrape(stack)
         delta = lambda name, **labels: total(after, name, **labels) - total(before, name, **labels)  # noqa: E731
         if delta("kvserve_generation_tokens_total") >= completion and all(
-                delta(f"kvserve_{h}_count") >= 4 for h in HISTOGRAMS):
+                delta(f"kvserve_{h}_count") >= 4 for h in HISTOGRAMS) and all(
+                delta(name, **labels) >= n for name, labels, n in (
+                    ("kvserve_request_success_total", {}, 4),
+                    ("kvserve_handoff_verdicts_total", {"verdict": "OK"}, 4),
+                    ("kvserve_decode_verdicts_total", {"verdict": "accepted"}, 4),
+                    ("kvserve_guard_checks_total", {"role": "decode"}, completion - 4),
+                    ("kvserve_guard_checks_total", {"role": "prefill"}, 4),
+                    ("kvserve_scrubbed_pages_total", {"role": "decode"}, 4))):
             break
         assert time.monotonic() < deadline, {h: delta(f"kvserve_{h}_count") for h in HISTOGRAMS}
         time.sleep(0.5)
