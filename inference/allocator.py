@@ -70,7 +70,7 @@ class PageAllocator(Protocol):
 
     def hit(self, reader: str, salt: str, pages: Sequence[int], epochs: Sequence[int]) -> bool: ...
 
-    def unread(self, reader: str) -> object: ...
+    def unread(self, reader: str) -> None: ...
 
     def evict(self, salt: str, pages: Sequence[int], epochs: Sequence[int]) -> int: ...
 
@@ -172,12 +172,9 @@ class LocalAllocator:
             self._readers[page].add(reader)
         return True
 
-    def unread(self, reader: str) -> int:
-        n = 0
+    def unread(self, reader: str) -> None:
         for readers in self._readers.values():
-            n += reader in readers
             readers.discard(reader)
-        return n
 
     def evict(self, salt: str, pages: Sequence[int], epochs: Sequence[int]) -> int:
         entry = cache_entry(salt)

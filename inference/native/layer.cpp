@@ -1,8 +1,9 @@
 // Every decoder layer of a w4a8 step whose rows all read the pool (decode; a chunk continuing its cached
 // prefix), in one call from Python: at one row a layer's ~20 torch calls from Python cost more than its
-// matmuls, and one call per layer still cost ~26 us a layer. The same ops in the same order as inference/model.py's loop (so the same numbers, bit for bit:
-// tests/inference/test_native_layer.py): RMSNorm, qkv, RoPE + K/V write, paged attention, o + residual, RMSNorm,
-// gate|up, SiLU * up, down + residual. Each op is the library's own, called through the dispatcher.
+// matmuls, and one call per layer still cost ~26 us a layer. The same ops in the same order as
+// inference/model.py's loop (so the same numbers, bit for bit: tests/inference/test_native_layer.py): RMSNorm,
+// qkv, RoPE + K/V write, paged attention, o + residual, RMSNorm, gate|up, SiLU * up, down + residual. Each op is
+// the library's own, called through the dispatcher.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
