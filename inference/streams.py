@@ -112,9 +112,12 @@ class OutputStream:
     def reads_key(self) -> str:
         return f"{self.prefix}:reads"
 
-    def record_read(self, record: dict) -> None:
-        """Appends a finished request's read record (BlockManager.read_record) to the audit stream."""
-        self.redis.xadd(self.reads_key(), {"r": json.dumps(record)}, maxlen=50_000, approximate=True)
+    def record_reads(self, records: list[dict]) -> None:
+        """Appends finished requests' read records (BlockManager.read_record) to the audit stream, in one trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        for record in records:
+            pipe.xadd(self.reads_key(), {"r": json.dumps(record)}, maxlen=50_000, approximate=True)
+        pipe.execute()
 
     def read_records(self, request_ids=None, count: int = 50_000) -> list[dict]:
         records = [json.loads(f[b"r"] if b"r" in f else f["r"]) for _, f in self.redis.xrevrange(self.reads_key(), count=count)]

@@ -665,7 +665,15 @@ class WorkerRuntime:
         self._free_bystander()
 
     def _finish(self, seqs: list[Sequence], refused: set[str], exported: dict | None = None) -> None:
-        """Final events and results for sequences that ended this step (`exported`: prefills' KV)."""
+        """Final events and results for sequences that ended this step (`exported`: prefills' KV). Their read
+        records go first: a request's Done may resolve its caller before the loop reaches its other choices."""
+        records = [seq.read_record for seq in seqs if seq.read_record and seq.status is SeqStatus.FINISHED
+                   and (seq.choice_of is not None or seq.request_id not in refused)]
+        if records:
+            try:
+                self.outputs.record_reads(records)
+            except redis_lib.RedisError:
+                log.warning("read records of %s not stored: Redis unreachable", [r["request"] for r in records])
         for seq in seqs:
             if seq.choice_of is not None:
                 self._finish_choice(seq, refused)
@@ -680,11 +688,6 @@ class WorkerRuntime:
                 if fut:
                     fut.set_result(exported[rid])
             else:
-                if seq.read_record:
-                    try:
-                        self.outputs.record_read(seq.read_record)
-                    except redis_lib.RedisError:
-                        log.warning("read record of %s not stored: Redis unreachable", rid)
                 self._publish([(rid, Done(seq.finish_reason, Usage(seq.num_prompt_tokens, len(seq.output_ids),
                                                                     seq.cached_tokens)))],
                               then=resolve(self._futures.pop(rid, None), seq))
@@ -693,11 +696,6 @@ class WorkerRuntime:
         """One choice ended: a failure fails its whole request (every choice); the last one's end is the request's
         one Done, with usage for the prompt once and the returned choices' tokens."""
         rid = seq.choice_of
-        if seq.read_record and seq.status is SeqStatus.FINISHED:
-            try:
-                self.outputs.record_read(seq.read_record)
-            except redis_lib.RedisError:
-                log.warning("read record of %s not stored: Redis unreachable", seq.request_id)
         if rid not in self._futures:
             return  # the request ended already (failed with its first failing choice)
         if seq.status is SeqStatus.FAILED:

@@ -278,11 +278,13 @@ def test_a_saturated_decode_worker_is_judged_through_its_probe_lane_and_never_qu
 
     with ThreadPoolExecutor(4) as pool:  # two decode, two wait in its queue (their KV within its transport TTL)
         streams = [pool.submit(stream_chat, s, f"Story {i}. " + "the sea is wide " * 68, 1000) for i in range(4)]
+        # the probes start once both streams hold the pool near full (the loop's deadline fails the test otherwise;
+        # reading the use again after it proves nothing: a stream may end or be preempted right after)
         deadline = time.monotonic() + 300
         while not (decoding(s) == 2 and decode_pool_use(s) >= 0.8):
             assert time.monotonic() < deadline and not any(f.done() for f in streams), s.tail("decode")
             time.sleep(0.5)
-        use, sampler = decode_pool_use(s), threading.Thread(target=sample, daemon=True)
+        sampler = threading.Thread(target=sample, daemon=True)
         began = time.monotonic()
         sampler.start()
         rc, check, log = live_probes(s)
@@ -296,7 +298,6 @@ def test_a_saturated_decode_worker_is_judged_through_its_probe_lane_and_never_qu
     ends = [r["deltas"][-1] for r in results if r["deltas"]]
     idle = [(round(t - began, 1), n) for t, n in samples if n < 2 and not any(0 <= t - e <= 3 for e in ends)]
     assert samples and not idle and sum(n == 2 for _, n in samples) >= 0.5 * len(samples), (idle, samples)
-    assert use >= 0.8
     assert rc == 0 and check["outcome"] == "passed", log
     (decode,) = [w for w in check["details"]["workers"].values() if w["role"] == "decode"]
     cases = decode["checks"]["handoff"]["cases"]

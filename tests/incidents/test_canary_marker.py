@@ -40,7 +40,7 @@ def fake_workers(monkeypatch, redis, prefix, *, echo=True, leak_into=None, bad_r
                       "owners": [p.request_id], "page_epochs": [5 + i], "written": [16], "read_len": 16}
             if p.name == bad_record:
                 record["owners"] = ["chatcmpl-someone-else"]
-            outputs.record_read(record)
+            outputs.record_reads([record])
     monkeypatch.setattr(marker, "_read", read)
 
 
