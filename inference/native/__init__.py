@@ -1,7 +1,8 @@
 """The native CPU kernels: paged attention (paged_attention.cpp), the fused elementwise ops of a layer
-(fused.cpp: RMSNorm; RoPE with the K/V pool write), precision w4a8's integer matmul of the file's own weight
-blocks (quant.cpp) and a w4a8 decode step's decoder layers in one call (layer.cpp), built by `make install` (`python -m inference.native`) into
-inference/native/build/ as one library, loaded here as torch.ops.kvserve_paged.
+(fused.cpp: RMSNorm; RoPE with the K/V pool write; the greedy rows' argmax), precision w4a8's integer matmul of
+the file's own weight blocks (quant.cpp) and a w4a8 decode step's decoder layers in one call (layer.cpp), built by
+`make install` (`python -m inference.native`) into inference/native/build/ as one library, loaded here as
+torch.ops.kvserve_paged.
 
 The build is keyed by a hash of the source, the torch version and the flags, so a stale library is
 never loaded. Without a built library the engine falls back to SDPA over gathered pages and says so
@@ -9,8 +10,9 @@ loudly at engine start (see `inference.attention.select_backend`).
 
 One library holds an AVX-512, an AVX2 and a generic build of each loop, chosen at run time from the
 CPU (no -march flag, so the same .so runs anywhere); KVSERVE_ATTN_ISA=avx512|avx2|generic (read at
-load) or `set_isa()` forces one for attention, refusing an ISA the CPU lacks; ATEN_CPU_CAPABILITY (torch's own cap,
-cap.h) caps every loop, w4a8's included, as if the CPU were that narrow. The kernels' jobs run on their own threads (pool.cpp, `set_threads`).
+load) or `set_isa()` forces one for attention, refusing an ISA the CPU lacks; ATEN_CPU_CAPABILITY (torch's own
+cap, cap.h) caps every loop, w4a8's included, as if the CPU were that narrow. The kernels' jobs run on their own
+threads (pool.cpp, `set_threads`).
 """
 import hashlib
 import logging
@@ -100,6 +102,11 @@ def attention_parts(keys: list[int]) -> list[int]:
 def fused_available() -> bool:
     """Whether the fused ops are there (the library built and loaded)."""
     return _loaded.get("ok") or load()
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) of a contiguous fp32 [rows, n], n > 0 (the first largest; a NaN counts as largest)."""
+    return torch.ops.kvserve_paged.argmax_rows(x)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, to_bf16: bool) -> torch.Tensor:

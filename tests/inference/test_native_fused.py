@@ -1,5 +1,10 @@
 """The native fused RMSNorm (inference/native/fused.cpp) against torch's, in fp32 and straight to bf16, and the
-model running it on the CPU."""
+model running it on the CPU; the greedy rows' argmax against torch's in every build of its loop."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -82,3 +87,46 @@ def test_rope_store_refuses_a_slot_that_is_not_a_page_of_the_pool(tiny_model, pa
         native.rope_store(qkv, cos, sin, pool.data, 0, torch.tensor([1, page]), torch.tensor([0, offset]),
                           c.num_heads, c.num_kv_heads)
     assert pool.data.abs().sum() == 0  # refused before anything was written
+
+
+def argmax_cases() -> list[torch.Tensor]:
+    """Rows torch.argmax answers: random, many ties, lanes' tails, all -inf, +inf, NaNs (a NaN is the largest)."""
+    gen = torch.Generator().manual_seed(7)
+    cases = [torch.randn(rows, n, generator=gen) for rows, n in [(1, 1), (3, 7), (5, 17), (2, 300), (32, 49152)]]
+    cases += [torch.randint(-3, 3, (rows, n), generator=gen).float() for rows, n in [(4, 9), (6, 1000), (3, 49152)]]
+    inf = torch.full((3, 500), float("-inf"))
+    inf[1, 333], inf[2, 499] = 1.0, float("inf")
+    nan = torch.randn(4, 700, generator=gen)
+    nan[0, 5] = nan[0, 600] = nan[2, 699] = nan[3, 3] = float("nan")
+    nan[3, 0] = float("inf")
+    return cases + [inf, nan, torch.full((2, 5), float("nan"))]
+
+
+def check_argmax() -> str:
+    for x in argmax_cases():
+        got = native.argmax_rows(x)
+        assert got.dtype == torch.long and torch.equal(got, x.argmax(dim=-1)), (x.shape, got, x.argmax(dim=-1))
+    return native.quant_isa()
+
+
+def test_argmax_rows_is_torchs_argmax():
+    check_argmax()
+
+
+@pytest.mark.parametrize("cap", ["default", "avx2"])
+def test_argmax_rows_is_torchs_argmax_in_every_build(cap):
+    """The avx2 and generic loops (ATEN_CPU_CAPABILITY caps every native loop) give torch's answers too."""
+    env = os.environ | {"ATEN_CPU_CAPABILITY": cap}
+    out = subprocess.run([sys.executable, "-c", "from tests.inference.test_native_fused import check_argmax; "
+                          "print(check_argmax())"], env=env, capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr[-2000:]
+    avx2 = "avx2" in open("/proc/cpuinfo").read().split()
+    assert out.stdout.split()[-1] == ("avx2" if cap == "avx2" and avx2 else "generic")  # the cap took hold
+
+
+def test_argmax_rows_refuses_what_it_cannot_read():
+    with pytest.raises(RuntimeError, match="contiguous fp32"):
+        native.argmax_rows(torch.randn(4, 8).t())
+    with pytest.raises(RuntimeError, match="1 to 2"):
+        native.argmax_rows(torch.randn(4, 0))
