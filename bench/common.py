@@ -93,7 +93,7 @@ def chat_prompts(tokenizer, n: int, min_len: int, max_len: int, seed: int = 0) -
 
 
 def cpu_flags(wanted=("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
-                      "avx512_vnni", "amx_tile")) -> list[str]:
+                      "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")) -> list[str]:
     """The SIMD flags of this CPU that matter to the kernels (from /proc/cpuinfo; [] where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:

@@ -39,10 +39,11 @@ class Contract:
 # accumulation is fp32 and the residual stream, norms, RoPE, softmax and logits stay fp32, so the error does not
 # compound through the residual. Over SmolLM2's 30 layers that moves logits (magnitude ~20) by under 1 (measured
 # on test_precision's 8 prompts x 16 tokens, read back through the pool: max 0.65) and flips the argmax only where
-# fp32's top two are near-tied (measured agreement 0.969, 124/128); 0.9 / 3.0 leave room for other prompts and oneDNN builds and still
-# fail a wrong kernel (int8-cast weights: agreement ~0, logits off by tens). The kernel bound: one bf16 matmul
-# on random data errs ~3e-3 relative; 2e-2 is 6x that, while garbage is ~1. fp16w stores weights in fp16
-# (10-bit mantissa) and multiplies in fp32: ~8x tighter than bf16 (measured: max 0.04, agreement 0.992 - one
+# fp32's top two are near-tied (measured agreement 0.969, 124/128; 0.953 and 0.65 where, on an AMX CPU, a prompt's
+# own attention runs in bf16 over that pool: inference.attention.bf16_sdpa_faster); 0.9 / 3.0 leave room for other
+# prompts and oneDNN builds and still fail a wrong kernel (int8-cast weights: agreement ~0, logits off by tens).
+# The kernel bound: one bf16 matmul on random data errs ~3e-3 relative; 2e-2 is 6x that, while garbage is ~1.
+# fp16w stores weights in fp16 (10-bit mantissa) and multiplies in fp32: ~8x tighter than bf16 (measured: max 0.04, agreement 0.992 - one
 # near-tie of 128), so its bounds are tighter (0.95 / 0.5). int4w multiplies the file's own 4-bit codes (the
 # fp32 reference is those same codes dequantized), with bf16 activations and scales: bf16's error sources and
 # no more (measured: see test_precision), so bf16's bounds. w4a8 multiplies the same codes (and the file's Q8_0

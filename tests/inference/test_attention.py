@@ -175,3 +175,24 @@ def test_kernel_and_rope_store_refuse_a_pool_neither_fp32_nor_bf16():
     with pytest.raises(RuntimeError, match="fp32 or bf16"):
         native.rope_store(qkv, torch.ones(2, 16), torch.ones(2, 16), pool.data, 0, torch.tensor([1, 2]),
                           torch.tensor([0, 0]), 4, 2)
+
+
+@pytest.mark.parametrize("bf16_faster", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_fresh_prompt_over_a_bf16_pool_attends_in_bf16_only_where_that_is_faster(monkeypatch, bf16_faster, dtype):
+    """Where bf16 SDPA measured faster (AMX), a fresh chunk over a bf16 pool attends its K/V as the pool holds them,
+    in bf16: within bf16's rounding of the fp32 product, not equal to it; elsewhere, and over an fp32 pool, fp32's
+    own numbers."""
+    monkeypatch.setattr(attention, "bf16_sdpa_faster", lambda: bf16_faster)
+    pool, batch, q, k, v = random_case(9, 3, 64, seed=5, dtype=dtype)
+    for backend in ("native", "sdpa"):
+        out = BACKENDS[backend](q, k, v, pool, 0, AttentionBatch(**{**batch.__dict__, "cache": {}}))
+        for s in batch.fresh:
+            rows = slice(s.row_start, s.row_start + s.num_rows)
+            ref = attention.causal_sdpa(*(x[rows].transpose(0, 1).unsqueeze(0) for x in (q, k, v)))
+            got = out[rows].transpose(0, 1).unsqueeze(0)
+            if bf16_faster and dtype == torch.bfloat16:
+                assert got.dtype == torch.float32 and not torch.equal(got, ref)
+                torch.testing.assert_close(got, ref, rtol=3e-2, atol=3e-2)
+            else:
+                assert torch.equal(got, ref)
