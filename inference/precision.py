@@ -33,24 +33,23 @@ class Contract:
     max_kernel_rel_err: float
 
 
-# Justification. fp32 is the reference itself (the HF-equivalence tests bound it to 2e-3 against transformers).
-# bf16 keeps an 8-bit mantissa (relative rounding 2^-9 ~ 2e-3) on weights and on the activations entering each
-# matmul, and on the K/V it keeps (a bf16 pool, kv_dtype_for: on its own it moves logits by 0.17 and no argmax);
-# accumulation is fp32 and the residual stream, norms, RoPE, softmax and logits stay fp32, so the error does not
-# compound through the residual. Over SmolLM2's 30 layers that moves logits (magnitude ~20) by under 1 (measured
-# on test_precision's 8 prompts x 16 tokens, read back through the pool: max 0.65) and flips the argmax only where
-# fp32's top two are near-tied (measured agreement 0.969, 124/128; 0.953 and 0.65 where, on an AMX CPU, a prompt's
-# own attention runs in bf16 over that pool: inference.attention.bf16_sdpa_faster); 0.9 / 3.0 leave room for other
-# prompts and oneDNN builds and still fail a wrong kernel (int8-cast weights: agreement ~0, logits off by tens).
-# The kernel bound: one bf16 matmul on random data errs ~3e-3 relative; 2e-2 is 6x that, while garbage is ~1.
-# fp16w stores weights in fp16 (10-bit mantissa) and multiplies in fp32: ~8x tighter than bf16 (measured: max 0.04, agreement 0.992 - one
-# near-tie of 128), so its bounds are tighter (0.95 / 0.5). int4w multiplies the file's own 4-bit codes (the
-# fp32 reference is those same codes dequantized), with bf16 activations and scales: bf16's error sources and
-# no more (measured: see test_precision), so bf16's bounds. w4a8 multiplies the same codes (and the file's Q8_0
-# lm_head) with activations rounded to int8 per 32 (relative rounding up to 2^-8 of the block's largest |x|, the
-# rule of llama.cpp's own Q4_1 x Q8_1 kernels): per matmul ~5e-3 relative on random data, about twice bf16's, and
-# like bf16 the residual stream, norms, softmax and logits stay fp32 (measured: see test_precision), so bf16's
-# bounds; its kernel bound is bf16's too (garbage is ~1).
+# Justification. fp32 is the reference itself (the HF-equivalence tests bound it to 2e-3 against transformers). bf16
+# keeps an 8-bit mantissa (relative rounding 2^-9 ~ 2e-3) on weights and on the activations entering each matmul, and on
+# the K/V it keeps (a bf16 pool, kv_dtype_for: on its own it moves logits by 0.17 and no argmax); accumulation is fp32
+# and the residual stream, norms, RoPE, softmax and logits stay fp32, so the error does not compound through the
+# residual. Over SmolLM2's 30 layers that moves logits (magnitude ~20) by under 1 (measured on test_precision's 8
+# prompts x 16 tokens, read back through the pool: max 0.65) and flips the argmax only where fp32's top two are
+# near-tied (measured agreement 0.969, 124/128; 0.953 and 0.65 where, on an AMX CPU, a prompt's own attention runs in
+# bf16 over that pool: inference.attention.bf16_sdpa_faster); 0.9 / 3.0 leave room for other prompts and oneDNN builds
+# and still fail a wrong kernel (int8-cast weights: agreement ~0, logits off by tens). The kernel bound: one bf16 matmul
+# on random data errs ~3e-3 relative; 2e-2 is 6x that, while garbage is ~1. fp16w stores weights in fp16 (10-bit
+# mantissa) and multiplies in fp32: ~8x tighter than bf16 (measured: max 0.04, agreement 0.992 - one near-tie of 128),
+# so its bounds are tighter (0.95 / 0.5). int4w multiplies the file's own 4-bit codes (the fp32 reference is those same
+# codes dequantized), with bf16 activations and scales: bf16's error sources and no more (measured: see test_precision),
+# so bf16's bounds. w4a8 multiplies the same codes (and the file's Q8_0 lm_head) with activations rounded to int8 per 32
+# (relative rounding up to 2^-8 of the block's largest |x|, the rule of llama.cpp's own Q4_1 x Q8_1 kernels): per matmul
+# ~5e-3 relative on random data, about twice bf16's, and like bf16 the residual stream, norms, softmax and logits stay
+# fp32 (measured: see test_precision), so bf16's bounds; its kernel bound is bf16's too (garbage is ~1).
 CONTRACTS = {
     "fp32": Contract(min_argmax_agreement=1.0, max_abs_logit_diff=1e-3, max_kernel_rel_err=1e-5),
     "bf16": Contract(min_argmax_agreement=0.9, max_abs_logit_diff=3.0, max_kernel_rel_err=2e-2),
