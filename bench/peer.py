@@ -171,10 +171,13 @@ class PeerServer:
             wait_http(f"{self.url}/health", 300, alive=lambda: self.proc.poll() is None)
         except Exception:
             self.close()
-            if self.proc.returncode == -signal.SIGILL and "--no-repack" not in self.cmd:
+            died = self.proc.returncode in (-signal.SIGILL, -signal.SIGSEGV)
+            if died and "--no-repack" not in self.cmd:
                 # a CPU that advertises AMX its VM does not grant: ggml's AMX (extra buffer) kernels trap on
-                # their first tile instruction; --no-repack turns the extra buffer types off (plain AVX path)
-                log("peer: llama-server died of SIGILL (AMX advertised, not usable here); again with --no-repack")
+                # their first tile instruction (SIGILL), or, on another VM, crash at their set-up after the
+                # thread pool starts (SIGSEGV); --no-repack turns the extra buffer types off (plain AVX-512 path)
+                log(f"peer: llama-server died of signal {-self.proc.returncode} at start (its AMX repack); again "
+                    "with --no-repack")
                 self.cmd.append("--no-repack")
                 return self.start()
             raise RuntimeError(f"llama-server did not start: {self.log_path.read_text(errors='replace')[-2000:]}")
