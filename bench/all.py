@@ -32,7 +32,8 @@ ROOT = HERE.parent
 RESULTS_JSONL = HERE / "results.jsonl"
 RESULTS_MD = HERE / "RESULTS.md"
 
-MODULES = ["engine", "profile", "attention", "quant", "guards", "grammar", "ondemand", "prefix", "transport", "load", "fairness", "chaos", "memory", "peer"]  # run in this order
+MODULES = ["engine", "profile", "attention", "quant", "argmax", "guards", "grammar", "ondemand", "prefix", "transport",
+           "load", "fairness", "chaos", "memory", "peer"]  # run in this order
 NEEDS_URL = {"load"}
 NEEDS_ROOT = {"chaos"}  # network namespaces
 # opt-in: runs only once its peer is installed (`python -m bench.peer --install-only`, ~20 min of compiling)
@@ -160,6 +161,7 @@ SUMMARY = [
     ("profile", "step_ms_median", "one 32-sequence decode step (ms)", ""),
     ("profile", "fraction_attention", "share of that step in attention", ""),
     ("quant", "ratio_w4a8_vs_fp32_rows1", "one row's decode-step products, fp32 ms / w4a8 ms", ""),
+    ("argmax", "ratio_rows32", "greedy argmax over 32 rows of the vocabulary, torch / native", ""),
     ("guards", "ratio_guards_on_vs_off", "throughput, ownership guards on / off", ">= 0.97"),
     ("guards", "ratio_scrub_on_vs_off", "throughput, scrub on free on / off", ">= 0.99"),
     ("guards", "ledger_allocate_p50_us", "Redis ledger allocate p50 (us)", ""),

@@ -50,3 +50,13 @@ def test_quant_quick_times_w4a8_beside_fp32_and_ends_with_one_json_line():
     for key in ("fp32_ms_rows1", "w4a8_ms_rows1", "w4a8_ms_rows8", "ratio_w4a8_vs_fp32_rows1"):
         assert isinstance(result[key], (int, float)) and result[key] > 0, (key, result[key])
     assert isinstance(result["cpu_flags"], list)
+
+
+def test_argmax_quick_times_torchs_beside_the_native_one_and_ends_with_one_json_line():
+    proc = subprocess.run([sys.executable, "-m", "bench.argmax", "--quick", "--rows", "1,4"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["bench"] == "argmax" and result["vocab"] > 1000 and isinstance(result["cpu_flags"], list)
+    for key in ("torch_us_rows1", "native_us_rows1", "ratio_rows4"):
+        assert isinstance(result[key], (int, float)) and result[key] > 0, (key, result[key])
