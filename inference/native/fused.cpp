@@ -14,10 +14,14 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <immintrin.h>
 
 #include "cap.h"
 #include "pool.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define KVS_FX86 1
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -143,6 +147,7 @@ int64_t row_argmax_generic(const float* x, int64_t n) {
   return r;
 }
 
+#if KVS_FX86
 __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl"))) int64_t row_argmax_avx512(const float* x, int64_t n) {
   __m512 best = _mm512_set1_ps(-INFINITY);
   __m512i at = _mm512_setzero_si512(), idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -194,6 +199,7 @@ __attribute__((target("avx2,fma"))) int64_t row_argmax_avx2(const float* x, int6
   }
   return any_nan ? first_nan(x, n) : r;
 }
+#endif  // KVS_FX86
 
 // x: fp32 [rows, n] contiguous, n > 0. Returns int64 [rows]: each row's argmax (row_argmax), rows across the pool.
 at::Tensor argmax_rows(const at::Tensor& x) {
@@ -201,11 +207,13 @@ at::Tensor argmax_rows(const at::Tensor& x) {
                   x.size(1) > 0 && x.size(1) <= INT32_MAX,
               "argmax_rows: x must be a contiguous fp32 CPU matrix of 1 to 2^31 - 1 columns");
   static const auto pick = [] {
+#if KVS_FX86
     const int cap = kvs::capability_cap();
     if (cap >= 2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
       return &row_argmax_avx512;
     if (cap >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return &row_argmax_avx2;
+#endif
     return &row_argmax_generic;
   }();
   const int64_t rows = x.size(0), n = x.size(1);
