@@ -7,12 +7,11 @@ Random fp32 logits [rows, vocab]; each round times both on the same tensor, inte
 us per call and the ratio torch / native (higher: the native one is faster), then one JSON line with the CPU's
 flags."""
 import argparse
-import statistics
 import time
 
 import torch
 
-from bench.common import cpu_flags, emit_json, log, print_table
+from bench.common import cpu_flags, emit_json, log, median, print_table
 from inference import native
 from inference.loader import load_model
 from inference.threads import threads_set
@@ -50,7 +49,7 @@ def main(argv=None) -> int:
         for _ in range(repeats // 10):  # interleaved rounds of 10 calls each
             spent["torch"] += timed_us(lambda: x.argmax(dim=-1), 10)
             spent["native"] += timed_us(lambda: native.argmax_rows(x), 10)
-        t, n = statistics.median(spent["torch"]), statistics.median(spent["native"])
+        t, n = median(spent["torch"]), median(spent["native"])
         result |= {f"torch_us_rows{rows}": round(t, 2), f"native_us_rows{rows}": round(n, 2),
                    f"ratio_rows{rows}": round(t / n, 2)}
         table.append(dict(rows=rows, torch_us=t, native_us=n, torch_over_native=t / n))

@@ -21,4 +21,18 @@ inline int capability_cap() {
   return cap;
 }
 
+// 0 generic, 1 avx2 (with fma, bmi2), 2 avx512 (f, dq, vl, bw, with fma, bmi2): the widest this CPU runs, no wider
+// than capability_cap(); the attention and argmax loops are built for exactly these
+inline int best_simd() {
+  int cpu = 0;
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("bmi2");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw");
+  cpu = avx512 ? 2 : avx2 ? 1 : 0;
+#endif
+  return std::min(cpu, capability_cap());
+}
+
 }  // namespace kvs

@@ -208,11 +208,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
               "argmax_rows: x must be a contiguous fp32 CPU matrix of 1 to 2^31 - 1 columns");
   static const auto pick = [] {
 #if KVS_FX86
-    const int cap = kvs::capability_cap();
-    if (cap >= 2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-      return &row_argmax_avx512;
-    if (cap >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return &row_argmax_avx2;
+    if (const int simd = kvs::best_simd()) return simd == 2 ? &row_argmax_avx512 : &row_argmax_avx2;
 #endif
     return &row_argmax_generic;
   }();

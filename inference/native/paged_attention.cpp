@@ -407,22 +407,8 @@ enum class Isa { generic = 0, avx2 = 1, avx512 = 2 };
 
 const char* isa_name(Isa isa) { return isa == Isa::avx512 ? "avx512" : isa == Isa::avx2 ? "avx2" : "generic"; }
 
-Isa cpu_isa() {
-#ifdef KVS_X86
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("bmi2")) {
-    return Isa::avx512;
-  }
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("bmi2")) {
-    return Isa::avx2;
-  }
-#endif
-  return Isa::generic;
-}
-
 // the CPU's best, no wider than ATEN_CPU_CAPABILITY (cap.h)
-Isa best_isa() { return static_cast<Isa>(std::min(static_cast<int>(cpu_isa()), kvs::capability_cap())); }
+Isa best_isa() { return static_cast<Isa>(kvs::best_simd()); }
 
 // "avx512" | "avx2" | "generic" | "" (best): refuses one this CPU cannot run
 Isa parse_isa(const std::string& want) {
