@@ -90,3 +90,15 @@ def test_a_prefill_of_choices_that_can_never_fit_is_rejected(pair):
     prefill, _ = pair
     handoff = prefill.prefill("big", PROMPT, sampled(max_tokens=400), choices=3)  # 37 + 3 x 400 > 1024
     assert handoff.verdict is Verdict.REJECTED and prefill.ledger.num_free() == 64
+
+
+def test_every_choices_read_record_is_stored_before_its_request_resolves(pair):
+    """The audit stream holds each choice's read record once the caller has its answer: the records are written
+    before the request's one Done (its first finishing choice would publish it while the loop still had the
+    others' records to write)."""
+    prefill, decode = pair
+    for i in range(5):
+        rid = f"r8-{i}"
+        seqs = decode.decode(rid, PROMPT, sampled(seed=i), prefill.prefill(rid, PROMPT, sampled(seed=i), choices=8)
+                             .to_dict(), choices=8)
+        assert len(decode.outputs.read_records({s.request_id for s in seqs})) == 8, i
