@@ -13,8 +13,9 @@
 //
 // Three builds of the loop live in one library, picked at run time (`__builtin_cpu_supports`, or
 // KVSERVE_ATTN_ISA=avx512|avx2|generic read at load, or the set_isa op): `avx512` (blocks of 16
-// tokens, online softmax, see attend_item_avx512), `avx2` and `generic` (the two-pass loop compiled
-// for x86-64-v3 and for the baseline). No -march flag is used, so the .so runs on any x86-64 CPU.
+// tokens, online softmax, see attend_item_avx512), `avx2` (the same scheme in blocks of 8, attend_item_avx2; head
+// dims it does not take run the two-pass loop compiled for x86-64-v3) and `generic` (the two-pass loop, baseline
+// x86-64). No -march flag is used, so the .so runs on any x86-64 CPU.
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
@@ -29,6 +30,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cap.h"
@@ -217,11 +219,256 @@ void run_unit_generic(const Problem<KV>& p, const Unit& u) {
   run_unit_body<DimT, KV>(p, u);
 }
 
+// Where value d of a row sits when each 16 values are read as their 8 even then their 8 odd ones (the AVX2 loop's
+// bf16 rows: a dword's low half is the even value, its high half the odd one)
+KVS_INLINE int64_t pair_order(int64_t d) { return (d & ~int64_t{15}) + (d & 1) * 8 + (d & 15) / 2; }
+
+// The blocked loops' running state for one item's H heads, in L1: acc [H, W] the unnormalized output (W: head_dim
+// rounded up to the loop's vector width), mx [H] the running maxima, sm [H] the running sums.
+struct HeadStates {
+  float *acc, *mx, *sm;
+  int64_t H, W;
+  HeadStates(std::vector<float>& buf, int64_t heads, int64_t width) : H(heads), W(width) {
+    buf.assign(static_cast<size_t>(H * (W + 2)), 0.f);
+    acc = buf.data();
+    mx = acc + H * W;
+    sm = mx + H;
+    std::fill(mx, mx + H, -std::numeric_limits<float>::infinity());
+  }
+  // into out [H, D] normalized; or into a part's state unnormalized, with its maxima and sums (merge_parts).
+  // `pairs`: acc holds each 16 values as their 8 even then their 8 odd ones (pair_order), put back in order here.
+  void finish(float* out, float* part, int64_t D, bool pairs = false) const {
+    float* dst = part ? part : out;
+    for (int64_t h = 0; h < H; ++h) {
+      const float inv = part ? 1.f : 1.f / sm[h];
+      for (int64_t d = 0; d < D; ++d) dst[h * D + d] = acc[h * W + (pairs ? pair_order(d) : d)] * inv;
+      if (part) {
+        part[H * D + h] = mx[h];
+        part[H * D + H + h] = sm[h];
+      }
+    }
+  }
+};
+
+// Keys [tb, te) of one item as blocks of B token rows, page by page (no division per row). While a block is worked
+// on, the next one's lines (K and V rows) are prefetched a share at a time (prefetch_upto): pages are scattered, so
+// the hardware prefetcher cannot see the jump from one to the next, and a burst of all the lines at once filled the
+// miss buffers and stalled the loads.
+template <typename KV, int B>
+class RowBlocks {
+ public:
+  const KV* rows[B];  // this block's rows; past its end rows[0] again (a valid row, its lanes masked out)
+  int m = 0;          // rows in this block
+
+  RowBlocks(const KV* pool, const int32_t* table, int64_t tb, int64_t te, int64_t page_stride, int64_t row_len,
+            int64_t ps, int64_t v_offset)
+      : pool_(pool), table_(table), page_stride_(page_stride), row_len_(row_len), ps_(ps), v_offset_(v_offset),
+        left_(te - tb), page_(tb / ps), off_(tb % ps), row_bytes_(row_len * static_cast<int64_t>(sizeof(KV))) {
+    fetch_next();
+  }
+
+  // moves to the next block; false past the last
+  KVS_INLINE bool next() {
+    if (mn_ == 0) return false;
+    m = mn_;
+    for (int t = 0; t < m; ++t) rows[t] = next_[t];
+    for (int t = m; t < B; ++t) rows[t] = rows[0];
+    fetch_next();
+    return true;
+  }
+
+  // prefetches the next block's lines up to the fraction done / total of them
+  KVS_INLINE void prefetch_upto(int64_t done, int64_t total) {
+    for (const int64_t stop = lines_ * done / total; line_ < stop; ++line_) {
+      __builtin_prefetch(pf_row_ + pf_b_);
+      if ((pf_b_ += 64) >= row_bytes_) {  // next line: K row, then V row, then the next token's
+        pf_b_ = 0;
+        pf_row_ = ++pf_r_ >= 2 * mn_ ? pf_row_
+            : reinterpret_cast<const char*>(next_[pf_r_ >> 1] + ((pf_r_ & 1) ? v_offset_ : 0));
+      }
+    }
+  }
+
+ private:
+  KVS_INLINE void fetch_next() {
+    mn_ = static_cast<int>(std::min<int64_t>(B, left_));
+    left_ -= mn_;
+    for (int t = 0; t < mn_; ++t) {
+      next_[t] = pool_ + static_cast<int64_t>(table_[page_]) * page_stride_ + off_ * row_len_;
+      if (++off_ == ps_) off_ = 0, ++page_;
+    }
+    lines_ = 2 * mn_ * ((row_bytes_ + 63) / 64);
+    line_ = pf_b_ = 0;
+    pf_r_ = 0;
+    pf_row_ = mn_ ? reinterpret_cast<const char*>(next_[0]) : nullptr;
+  }
+
+  const KV* pool_;
+  const int32_t* table_;
+  int64_t page_stride_, row_len_, ps_, v_offset_, left_, page_, off_, row_bytes_;
+  const KV* next_[B];
+  int mn_ = 0, pf_r_ = 0;
+  int64_t lines_ = 0, line_ = 0, pf_b_ = 0;
+  const char* pf_row_ = nullptr;
+};
+
 #ifdef KVS_X86
+// head dims the blocked AVX2 loop does not take (not a multiple of 8, or over 128): the two-pass loop for AVX2
 template <typename DimT, typename KV>
-__attribute__((target("arch=x86-64-v3"))) void run_unit_avx2(const Problem<KV>& p, const Unit& u) {
+__attribute__((target("arch=x86-64-v3"))) void run_unit_avx2_two_pass(const Problem<KV>& p, const Unit& u) {
   run_unit_body<DimT, KV>(p, u);
 }
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,bmi2")
+
+// e^x for x <= 0 on 8 lanes: the scalar exp_nonpositive's reduction and polynomial, 2^n built as a float.
+KVS_INLINE __m256 exp256_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f));
+  const __m256 n = _mm256_floor_ps(_mm256_add_ps(t, _mm256_set1_ps(0.5f)));
+  const __m256 r = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.6931471805599453f));
+  __m256 q = _mm256_set1_ps(1.0f / 5040.0f);
+  q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.0f / 720.0f));
+  q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.0f / 120.0f));
+  q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.0f / 24.0f));
+  q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.0f / 6.0f));
+  q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(0.5f));
+  q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.0f));
+  q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.0f));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(q, _mm256_castsi256_ps(two_n));
+}
+
+// 8 K or V values of one row as fp32 lanes
+KVS_INLINE __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+KVS_INLINE __m256 load8(const bf16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+// Two tokens' 8-lane partial sums -> per 128-bit half [a0+a2, b0+b2, a1+a3, b1+b3] (reduce8's first level)
+KVS_INLINE __m256 sum_pairs(__m256 a, __m256 b) {
+  return _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
+}
+
+// Two sum_pairs -> per 128-bit half the four tokens' sums of that half's lanes, in token order
+KVS_INLINE __m256 sum_quads(__m256 x, __m256 y) {
+  return _mm256_add_ps(_mm256_shuffle_ps(x, y, _MM_SHUFFLE(1, 0, 1, 0)), _mm256_shuffle_ps(x, y, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+
+KVS_INLINE float hmax8(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+
+KVS_INLINE float hsum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+// The AVX-512 loop's scheme on 8 lanes: keys in blocks of 8 tokens; for each query head the 8 scores as one vector
+// (FMAs over head_dim per token, two chains, then a transpose-and-add tree: 7 adds and 14 shuffles per 8 dot
+// products, no reduction per product), an online-softmax update of the head's running max / sum / output, then the
+// block's V rows weighted in. NC = head_dim / 8 (head_dim a multiple of 8, at most 128). A bf16 row with head_dim a
+// multiple of 16 is read 16 values per load as two fp32 vectors, the even values (each dword shifted up) and the odd
+// ones (masked): no widening shuffle. The dot product does not care about the order if q is read alike, so q (scaled,
+// once per item) and the running output are kept in that order and put back in order at the end.
+template <int NC, typename KV>
+KVS_INLINE void attend_item_avx2(const float* q, float* out, const KV* pool, const int32_t* table, int64_t tb,
+                                 int64_t te, int64_t H, int64_t KVH, int64_t page_stride, int64_t v_offset, int64_t ps,
+                                 float scale, std::vector<float>& state, std::vector<float>& qbuf, float* part) {
+  constexpr int64_t D = 8 * NC;
+  constexpr bool kPairs = std::is_same<KV, bf16_t>::value && NC % 2 == 0;
+  const int64_t G = H / KVH, row_len = KVH * D;
+  HeadStates st(state, H, D);
+  float *acc = st.acc, *mx = st.mx, *sm = st.sm;
+  qbuf.resize(static_cast<size_t>(H * D));
+  for (int64_t h = 0; h < H; ++h) {
+    for (int64_t d = 0; d < D; ++d) qbuf[h * D + (kPairs ? pair_order(d) : d)] = q[h * D + d] * scale;
+  }
+  // chunks c and c + 1 of a row: 16 values (kPairs: evens, odds), else 8 and 8
+  auto load_two = [](const KV* x, int c, __m256& lo, __m256& hi) {
+    if constexpr (kPairs) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 8 * c));
+      lo = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+      hi = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+    } else {
+      lo = load8(x + 8 * c);
+      hi = load8(x + 8 * c + 8);
+    }
+  };
+  RowBlocks<KV, 8> blk(pool, table, tb, te, page_stride, row_len, ps, v_offset);
+  const KV* const* rows = blk.rows;
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  while (blk.next()) {
+    const int m = blk.m;
+    const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(m), lane));
+    for (int64_t kvh = 0; kvh < KVH; ++kvh) {
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = kvh * G + g;
+        blk.prefetch_upto(h + 1, H);
+        __m256 qv[NC];
+        for (int c = 0; c < NC; ++c) qv[c] = _mm256_loadu_ps(qbuf.data() + h * D + 8 * c);
+        auto dot = [&](int t) {  // token t's 8 partial sums, in two chains of FMAs
+          const KV* k = rows[t] + kvh * D;
+          if constexpr (NC == 1) return _mm256_mul_ps(qv[0], load8(k));
+          __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps(), lo, hi;
+          for (int c = 0; c + 1 < NC; c += 2) {
+            load_two(k, c, lo, hi);
+            a = _mm256_fmadd_ps(qv[c], lo, a);
+            b = _mm256_fmadd_ps(qv[c + 1], hi, b);
+          }
+          if constexpr (NC % 2 == 1) a = _mm256_fmadd_ps(qv[NC - 1], load8(k + 8 * (NC - 1)), a);
+          return _mm256_add_ps(a, b);
+        };
+        // reduced as they come, so few partial sums are live at once
+        const __m256 w0 = sum_quads(sum_pairs(dot(0), dot(1)), sum_pairs(dot(2), dot(3)));
+        const __m256 w1 = sum_quads(sum_pairs(dot(4), dot(5)), sum_pairs(dot(6), dot(7)));
+        const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(w0, w1, 0x20), _mm256_permute2f128_ps(w0, w1, 0x31));
+        // lanes past the block's end hold token 0's score again: no new max, and their weights are zeroed
+        const float m_old = mx[h];
+        const float m_new = std::max(m_old, hmax8(sums));
+        const __m256 pv = _mm256_and_ps(valid, exp256_nonpositive(_mm256_sub_ps(sums, _mm256_set1_ps(m_new))));
+        const float alpha = m_old == -std::numeric_limits<float>::infinity()
+            ? 0.f : _mm256_cvtss_f32(exp256_nonpositive(_mm256_set1_ps(m_old - m_new)));
+        mx[h] = m_new;
+        sm[h] = sm[h] * alpha + hsum8(pv);
+        alignas(32) float pw[8];
+        _mm256_store_ps(pw, pv);
+        float* oh = acc + h * D;
+        __m256 o[NC];
+        const __m256 av = _mm256_set1_ps(alpha);
+        for (int c = 0; c < NC; ++c) o[c] = _mm256_mul_ps(_mm256_loadu_ps(oh + 8 * c), av);
+        for (int t = 0; t < m; ++t) {
+          const __m256 w = _mm256_set1_ps(pw[t]);
+          const KV* v = rows[t] + v_offset + kvh * D;
+          __m256 lo, hi;
+          for (int c = 0; c + 1 < NC; c += 2) {
+            load_two(v, c, lo, hi);
+            o[c] = _mm256_fmadd_ps(w, lo, o[c]);
+            o[c + 1] = _mm256_fmadd_ps(w, hi, o[c + 1]);
+          }
+          if constexpr (NC % 2 == 1) o[NC - 1] = _mm256_fmadd_ps(w, load8(v + 8 * (NC - 1)), o[NC - 1]);
+        }
+        for (int c = 0; c < NC; ++c) _mm256_storeu_ps(oh + 8 * c, o[c]);
+      }
+    }
+  }
+  st.finish(out, part, D, kPairs);
+}
+
+template <int NC, typename KV>
+void run_unit_avx2(const Problem<KV>& p, const Unit& u) {
+  thread_local std::vector<float> state, qbuf;
+  const int64_t i = p.item_seq[u.item], row = p.query_start[i] + p.item_first[u.item];
+  attend_item_avx2<NC, KV>(p.q + row * p.q_row_stride, p.out + row * p.out_row_stride, p.pool,
+                           p.tables + i * p.table_width, u.tb, u.te, p.H, p.KVH, p.page_stride, p.v_offset, p.ps,
+                           p.scale, state, qbuf, unit_state(p, u));
+}
+
+#pragma GCC pop_options
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512dq,avx512vl,avx512bw,avx2,fma,bmi2")
@@ -281,62 +528,25 @@ KVS_INLINE void attend_item_avx512(const float* q, float* out, const KV* pool, c
                                    int64_t te, int64_t H, int64_t KVH, int64_t D, int64_t page_stride,
                                    int64_t v_offset, int64_t ps, float scale, const __m512i fix_lanes,
                                    std::vector<float>& state, float* part) {
-  const int64_t n = te - tb;
   const int64_t G = H / KVH, row_len = KVH * D;
   const __mmask16 tail = static_cast<__mmask16>(D - 16 * (NC - 1) >= 16 ? 0xFFFF : (1u << (D - 16 * (NC - 1))) - 1);
-  state.resize(static_cast<size_t>(H) * (16 * NC + 2));
-  float* acc = state.data();            // [H, 16 * NC] running output (unnormalized)
-  float* mx = acc + H * 16 * NC;        // [H] running max
-  float* sm = mx + H;                   // [H] running sum
-  for (int64_t h = 0; h < H; ++h) {
-    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + h * 16 * NC + 16 * c, _mm512_setzero_ps());
-    mx[h] = -std::numeric_limits<float>::infinity();
-    sm[h] = 0.f;
-  }
-  const KV* rows[16];
-  const KV* next_rows[16];
-  int64_t cur_page = tb / ps, cur_off = tb % ps;  // the token rows in order, page by page (no division per row)
-  auto next_row = [&]() {
-    const KV* r = pool + static_cast<int64_t>(table[cur_page]) * page_stride + cur_off * row_len;
-    if (++cur_off == ps) cur_off = 0, ++cur_page;
-    return r;
-  };
-  const int64_t row_bytes = row_len * static_cast<int64_t>(sizeof(KV));
-  for (int t = 0, m0 = static_cast<int>(std::min<int64_t>(16, n)); t < m0; ++t) next_rows[t] = next_row();
-  for (int64_t t0 = 0; t0 < n; t0 += 16) {
-    const int m = static_cast<int>(std::min<int64_t>(16, n - t0));
-    for (int t = 0; t < m; ++t) rows[t] = next_rows[t];
-    for (int t = m; t < 16; ++t) rows[t] = rows[0];  // lanes past the end read a valid row, masked out below
+  HeadStates st(state, H, 16 * NC);
+  float *acc = st.acc, *mx = st.mx, *sm = st.sm;
+  RowBlocks<KV, 16> blk(pool, table, tb, te, page_stride, row_len, ps, v_offset);
+  const KV* const* rows = blk.rows;
+  while (blk.next()) {
+    const int m = blk.m;
     const __mmask16 valid = static_cast<__mmask16>(m == 16 ? 0xFFFF : (1u << m) - 1);
-    // pages are scattered, so the hardware prefetcher cannot see the next block's rows: their lines
-    // (K and V) are prefetched a share per head below, spread over this block's work (a burst of them
-    // all at once filled the miss buffers and stalled the loads)
-    int mn = 0;
-    if (t0 + 16 < n) {
-      mn = static_cast<int>(std::min<int64_t>(16, n - t0 - 16));
-      for (int t = 0; t < mn; ++t) next_rows[t] = next_row();
-    }
-    const int64_t lines = 2 * mn * ((row_bytes + 63) / 64);
-    int64_t line = 0, pf_b = 0;
-    int pf_r = 0;
-    const char* pf_row = mn ? reinterpret_cast<const char*>(next_rows[0]) : nullptr;
     for (int64_t kvh = 0; kvh < KVH; ++kvh) {
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = kvh * G + g;
-        for (const int64_t stop = lines * (h + 1) / H; line < stop; ++line) {
-          __builtin_prefetch(pf_row + pf_b);
-          if ((pf_b += 64) >= row_bytes) {  // next line: K row, then V row, then the next token's
-            pf_b = 0;
-            pf_row = ++pf_r >= 2 * mn ? pf_row
-                : reinterpret_cast<const char*>(next_rows[pf_r >> 1] + ((pf_r & 1) ? v_offset : 0));
-          }
-        }
+        blk.prefetch_upto(h + 1, H);
         __m512 qv[NC];
         for (int c = 0; c < NC; ++c) {
           const __mmask16 mk = c == NC - 1 ? tail : 0xFFFF;
           qv[c] = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, q + h * D + 16 * c), _mm512_set1_ps(scale));
         }
-        __m512 part[16];
+        __m512 dots[16];
         for (int t = 0; t < 16; ++t) {
           const KV* k = rows[t] + kvh * D;
           __m512 a = _mm512_mul_ps(qv[0], load16(k, NC == 1 ? tail : 0xFFFF));
@@ -344,10 +554,10 @@ KVS_INLINE void attend_item_avx512(const float* q, float* out, const KV* pool, c
             const __mmask16 mk = c == NC - 1 ? tail : 0xFFFF;
             a = _mm512_fmadd_ps(qv[c], load16(k + 16 * c, mk), a);
           }
-          part[t] = a;
+          dots[t] = a;
         }
         const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid,
-                                            _mm512_permutexvar_ps(fix_lanes, reduce16(part)));
+                                            _mm512_permutexvar_ps(fix_lanes, reduce16(dots)));
         const float m_old = mx[h];
         const float m_new = std::max(m_old, _mm512_reduce_max_ps(s));
         const __m512 pv = _mm512_maskz_mov_ps(valid, exp512_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
@@ -373,18 +583,7 @@ KVS_INLINE void attend_item_avx512(const float* q, float* out, const KV* pool, c
       }
     }
   }
-  for (int64_t h = 0; h < H; ++h) {
-    const __m512 inv = _mm512_set1_ps(part ? 1.f : 1.f / sm[h]);  // a part stays unnormalized (merge_parts)
-    float* dst = part ? part : out;
-    for (int c = 0; c < NC; ++c) {
-      const __mmask16 mk = c == NC - 1 ? tail : 0xFFFF;
-      _mm512_mask_storeu_ps(dst + h * D + 16 * c, mk, _mm512_mul_ps(_mm512_loadu_ps(acc + h * 16 * NC + 16 * c), inv));
-    }
-    if (part) {
-      part[H * D + h] = mx[h];
-      part[H * D + H + h] = sm[h];
-    }
-  }
+  st.finish(out, part, D);
 }
 
 template <int NC, typename KV>
@@ -456,10 +655,25 @@ void run_unit(const Problem<KV>& p, const Unit& u, Isa isa) {
       case 6: return run_unit_avx512<6, KV>(p, u);
       case 7: return run_unit_avx512<7, KV>(p, u);
       case 8: return run_unit_avx512<8, KV>(p, u);
-      default: break;  // head_dim > 128: the AVX2 loop
+      default: break;  // head_dim > 128: the AVX2 loops
     }
   }
-  if (isa != Isa::generic) return run_unit_avx2<DimT, KV>(p, u);
+  if (isa != Isa::generic && p.D % 8 == 0) {
+    switch (p.D / 8) {
+      case 1: return run_unit_avx2<1, KV>(p, u);
+      case 2: return run_unit_avx2<2, KV>(p, u);
+      case 3: return run_unit_avx2<3, KV>(p, u);
+      case 4: return run_unit_avx2<4, KV>(p, u);
+      case 5: return run_unit_avx2<5, KV>(p, u);
+      case 6: return run_unit_avx2<6, KV>(p, u);
+      case 8: return run_unit_avx2<8, KV>(p, u);
+      case 10: return run_unit_avx2<10, KV>(p, u);
+      case 12: return run_unit_avx2<12, KV>(p, u);
+      case 16: return run_unit_avx2<16, KV>(p, u);
+      default: break;
+    }
+  }
+  if (isa != Isa::generic) return run_unit_avx2_two_pass<DimT, KV>(p, u);
 #endif
   run_unit_generic<DimT, KV>(p, u);
 }

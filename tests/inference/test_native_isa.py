@@ -73,21 +73,21 @@ def decode_batch(pool, heads, lens, qlens, gen):
     return batch, q, k, v, ref
 
 
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("ctx", [1, 15, 16, 17, 31, 33, 300])
-def test_avx512_over_long_ragged_contexts_decode_and_chunks(ctx, dtype):
-    """Contexts on each side of a 16-token block, decode rows and a chunk continuing its prefix."""
-    if "avx512" not in runnable_isas():
-        pytest.skip("this CPU has no avx512f")
+@pytest.mark.parametrize("ctx", [1, 7, 8, 9, 15, 16, 17, 31, 33, 300])
+def test_the_blocked_loops_over_long_ragged_contexts_decode_and_chunks(ctx, dtype, isa):
+    """The blocked loops (8 tokens a block on AVX2, 16 on AVX-512): contexts on each side of a block, decode rows and
+    a chunk continuing its prefix."""
+    if isa not in runnable_isas():
+        pytest.skip(f"this CPU cannot run {isa}")
     gen = torch.Generator().manual_seed(ctx)
     ps, h, kvh, d = 16, 9, 3, 64
     pool = PagePool(96, ps, 2, kvh, d, dtype=dtype)
     pool.data.copy_(torch.randn(pool.data.shape, generator=gen))
     chunk = min(ctx, 7)
     batch, q, k, v, ref = decode_batch(pool, h, [ctx, ctx + 5, max(1, ctx - 3), ctx], [1, 1, 1, chunk], gen)
-    native.set_isa("avx512")
-    torch.testing.assert_close(BACKENDS["native"](q, k, v, pool, 1, batch), ref, rtol=1e-5, atol=2e-5)
-    native.set_isa("avx2")
+    native.set_isa(isa)
     torch.testing.assert_close(BACKENDS["native"](q, k, v, pool, 1, batch), ref, rtol=1e-5, atol=2e-5)
 
 
