@@ -55,6 +55,9 @@ KVS_INLINE float kv_load(const bf16_t* p, int64_t i) {
   return f;
 }
 
+// e^r's Taylor coefficients, highest degree first (Horner), for every build's exp_nonpositive
+constexpr float kExpTaylor[8] = {1.0f / 5040.0f, 1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f};
+
 // e^x for x <= 0 (scores minus their max), vectorizable: x = n ln2 + r, |r| <= ln2 / 2, e^r by its
 // Taylor series to degree 7 (relative error < 1e-7 before float rounding), 2^n by building the float.
 KVS_INLINE float exp_nonpositive(float x) {
@@ -62,14 +65,8 @@ KVS_INLINE float exp_nonpositive(float x) {
   const float t = x * 1.4426950408889634f;
   const float n = std::floor(t + 0.5f);
   const float r = (t - n) * 0.6931471805599453f;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
+  float p = kExpTaylor[0];
+  for (int i = 1; i < 8; ++i) p = p * r + kExpTaylor[i];
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
@@ -328,14 +325,8 @@ KVS_INLINE __m256 exp256_nonpositive(__m256 x) {
   const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f));
   const __m256 n = _mm256_floor_ps(_mm256_add_ps(t, _mm256_set1_ps(0.5f)));
   const __m256 r = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.6931471805599453f));
-  __m256 q = _mm256_set1_ps(1.0f / 5040.0f);
-  q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.0f / 720.0f));
-  q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.0f / 120.0f));
-  q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.0f / 24.0f));
-  q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.0f / 6.0f));
-  q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(0.5f));
-  q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.0f));
-  q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(1.0f));
+  __m256 q = _mm256_set1_ps(kExpTaylor[0]);
+  for (int i = 1; i < 8; ++i) q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(kExpTaylor[i]));
   const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(q, _mm256_castsi256_ps(two_n));
 }
@@ -479,14 +470,8 @@ KVS_INLINE __m512 exp512_nonpositive(__m512 x) {
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
   const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(t, _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   const __m512 r = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));
-  __m512 q = _mm512_set1_ps(1.0f / 5040.0f);
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 720.0f));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 120.0f));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 24.0f));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 6.0f));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(0.5f));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f));
+  __m512 q = _mm512_set1_ps(kExpTaylor[0]);
+  for (int i = 1; i < 8; ++i) q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(kExpTaylor[i]));
   return _mm512_scalef_ps(q, n);
 }
 
