@@ -176,6 +176,18 @@ def _handoff_check(w, cases: dict) -> dict:
     return {"ok": outcome == PASSED, "outcome": outcome, "cases": cases}
 
 
+def all_answered(probe_ids: list[str], handoff_ids: list[str], records: dict, rows: dict) -> bool:
+    """Whether every probe has its answer: a record for each guard and scrub probe, each handoff row final, and
+    the record of each refusal (the worker fails the row closed first, then writes the record)."""
+    if not all(p in records for p in probe_ids):
+        return False
+    for rid in handoff_ids:
+        status, code = rows.get(rid, ("", ""))
+        if status not in ChatRequest.FINAL or (code == "handoff_refused" and rid not in records):
+            return False
+    return True
+
+
 def check_live_probes(wait_s: float | None = None, key: bytes | None = None) -> CheckResult:
     started = time.perf_counter()
     workers = live.serving_workers()
@@ -203,8 +215,9 @@ def check_live_probes(wait_s: float | None = None, key: bytes | None = None) -> 
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         records = records_store.get_many(probe_ids + handoff_ids)
-        final = ChatRequest.objects.filter(id__in=handoff_ids, status__in=ChatRequest.FINAL).count()
-        if all(p in records for p in probe_ids) and final == len(handoff_ids):
+        rows = {rid: (status, code) for rid, status, code in
+                ChatRequest.objects.filter(id__in=handoff_ids).values_list("id", "status", "error_code")}
+        if all_answered(probe_ids, handoff_ids, records, rows):
             break
         time.sleep(0.25)
     records = records_store.get_many(probe_ids + handoff_ids)

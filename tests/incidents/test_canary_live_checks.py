@@ -273,3 +273,20 @@ def test_a_guard_or_scrub_probe_without_an_answer_is_not_judged(record, outcome)
     from incidents.canary.probes import _probe_outcome
 
     assert _probe_outcome(record, "w1", True, 30)["outcome"] == outcome
+
+
+@pytest.mark.parametrize("rows, records, answered", [
+    ({"h1": ("decoding", "")}, {"g1": {}}, False),  # a handoff still decoding
+    ({"h1": ("failed", "handoff_refused")}, {"g1": {}}, False),  # refused and failed closed, record not yet written
+    ({"h1": ("failed", "handoff_refused")}, {"g1": {}, "h1": {"refused": "handoff_mismatch"}}, True),
+    ({"h1": ("done", "")}, {"g1": {}}, True),  # accepted: no record to wait for
+    ({"h1": ("failed", "timeout")}, {"g1": {}}, True),
+    ({"h1": ("done", "")}, {}, False),  # the guard probe's record missing
+    ({}, {"g1": {}}, False),  # the handoff's row not found
+])
+def test_the_probes_wait_for_each_refusals_record_not_only_its_final_row(rows, records, answered):
+    """A decode worker fails a refused handoff's row first and writes its probe record after: judging at the row's
+    end alone read a missing record as 'not judged' (CI, stop 34)."""
+    from incidents.canary.probes import all_answered
+
+    assert all_answered(["g1"], ["h1"], records, rows) is answered
