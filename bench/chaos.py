@@ -282,6 +282,7 @@ async def recover(stack: ChaosStack, http: httpx.AsyncClient, t0: float, limit_s
     served: dict[str, float] = {}
     await asyncio.sleep(max(0.0, t0 - time.time()))
     inflight: set[asyncio.Task] = set()
+    settling: list[Call] = []  # answered "done" to the client, their rows not final yet: looked at again next round
 
     async def probe(call: Call) -> Call:
         give_up = time.time() + 20
@@ -302,12 +303,16 @@ async def recover(stack: ChaosStack, http: httpx.AsyncClient, t0: float, limit_s
                 inflight.add(asyncio.create_task(probe(call)))
             finished, inflight = await asyncio.wait(inflight, timeout=t0 + limit_s - time.time(),
                                                     return_when=asyncio.FIRST_COMPLETED)
-            calls = [t.result() for t in finished]
+            calls = [t.result() for t in finished] + settling
+            settling = []
             rows = await asyncio.to_thread(stack.rows_since, min((c.submitted for c in calls), default=t0))
             live = await asyncio.to_thread(stack.live_by_host)
             for call in calls:
                 row = row_for(call, rows)
-                if call.final != "done" or not row or row["status"] != "done":
+                if call.final == "done" and (not row or row["status"] not in FINAL):
+                    settling.append(call)  # the stream's done event comes before its worker writes the row
+                    continue
+                if call.final != "done" or row["status"] != "done":
                     continue
                 for worker in (row["prefill_worker"], row["decode_worker"]):
                     host = stack.host_of(worker)
