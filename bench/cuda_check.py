@@ -16,6 +16,7 @@ import traceback
 import torch
 
 from bench.common import emit_json, log
+from inference.arith import cdiv
 
 SHAPES = [(9, 3, 64), (4, 2, 16), (4, 4, 32), (8, 1, 128), (8, 8, 64)]
 
@@ -38,7 +39,7 @@ def kernel_cases(device, dtype) -> dict:
                 width = len(tables[0])
                 for f in batch.fresh:
                     n = f.num_rows
-                    pages = [p for p in range(pool.num_pages) if all(p not in t for t in tables)][: -(-n // page_size)]
+                    pages = [p for p in range(pool.num_pages) if all(p not in t for t in tables)][: cdiv(n, page_size)]
                     for j in range(n):  # write the fresh chunk's K/V where the runner would have
                         pool.data[pages[j // page_size], :, 0, j % page_size] = k[f.row_start + j].to(device, dtype)
                         pool.data[pages[j // page_size], :, 1, j % page_size] = v[f.row_start + j].to(device, dtype)

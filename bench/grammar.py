@@ -21,6 +21,7 @@ import torch
 
 from bench.common import chat_prompts, emit_json, log, median, print_table
 from inference import engine as engine_module
+from inference.arith import cdiv
 from inference.engine import Engine, EngineConfig
 from inference.grammar import compiler_for
 from inference.loader import load_model
@@ -85,7 +86,7 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     model = load_model()
     prompts = chat_prompts(model.tokenizer, n, 16, hi, seed=0)
-    pages = sum(-(-(len(p) + new_tokens) // 16) for p in prompts)
+    pages = sum(cdiv(len(p) + new_tokens, 16) for p in prompts)
     engine = Engine(model, EngineConfig(num_pages=max(1024, pages + 64), max_num_seqs=max(64, n)))
     timer = _Timed()
     timer.install()

@@ -40,6 +40,7 @@ import torch
 
 from bench.common import chat_prompts, emit_json, log, median, print_table
 from inference.allocator import LedgerError
+from inference.arith import cdiv
 import inference.engine
 from inference.engine import Engine, EngineConfig
 from inference.faults import Faults
@@ -158,7 +159,7 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     model = load_model()
     prompts = chat_prompts(model.tokenizer, n, lo, hi, seed=0)
-    pages = sum(-(-(len(p) + new_tokens) // 16) for p in prompts) + 16
+    pages = sum(cdiv(len(p) + new_tokens, 16) for p in prompts) + 16
     client = redis.Redis.from_url(args.redis_url)
     client.ping()
     prefix = f"kvbench-{uuid.uuid4().hex[:10]}"

@@ -23,6 +23,7 @@ import torch
 
 from bench.common import chat_prompts, emit_json, log, median, print_table
 from inference.engine import Engine, EngineConfig
+from inference.arith import cdiv
 from inference.loader import load_model
 from inference.sequence import SamplingParams, SeqStatus
 from inference.threads import threads_set
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
     vocab = model.config.vocab_size
     plans = {"greedy": [SamplingParams(max_tokens=new, ignore_eos=True) for _ in prompts],
              "knobs": [knobs(i, new, vocab) for i in range(n)]}
-    pages = sum(-(-(len(p) + new) // 16) for p in prompts)
+    pages = sum(cdiv(len(p) + new, 16) for p in prompts)
     engine = Engine(model, EngineConfig(num_pages=max(1024, pages + 64), page_size=16, chunk_size=512,
                                         max_num_seqs=max(64, n)))
     log(f"bench.sampling: {n} prompts of {min(map(len, prompts))}..{max(map(len, prompts))} tokens, {new} new "

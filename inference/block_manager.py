@@ -219,7 +219,7 @@ class BlockManager:
         """Records that `seq`'s first `num_tokens` tokens now have K/V in its pages."""
         ps = self.page_size
         first = min(seq.num_cached, num_tokens) // ps
-        for i in range(first, -(-num_tokens // ps)):
+        for i in range(first, cdiv(num_tokens, ps)):
             page = seq.block_table[i]
             self.written[page] = max(self.written[page], min(ps, num_tokens - i * ps))
 
@@ -228,7 +228,7 @@ class BlockManager:
         current epoch and the `num_past` cached tokens it will read were written for it."""
         self.num_guard_checks += 1
         rid, ps = seq.request_id, self.page_size
-        needed = -(-(num_past + num_new) // ps)
+        needed = cdiv(num_past + num_new, ps)
         if needed > len(seq.block_table):
             self._raise("unwritten_read", seq, None, num_past + num_new, 0, None)
         if self.check_owner and num_new and num_past // ps < seq.num_shared:

@@ -9,10 +9,7 @@ import hashlib
 
 import torch
 
-
-def cdiv(a, b):
-    """Ceiling division, for ints and integer tensors alike (pages needed for `a` tokens)."""
-    return (a + b - 1) // b
+from inference.arith import cdiv  # noqa: F401  (re-exported: the pool's users size pages with it)
 
 
 class PagePool:

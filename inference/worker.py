@@ -33,6 +33,7 @@ import redis as redis_lib
 import torch
 
 from inference.allocator import LedgerError, PoolLost
+from inference.arith import cdiv
 from inference.cancel import Cancel, Cancellations
 from inference.choices import best_choices, choice_params, request_of
 from inference.engine import Engine, EngineConfig, engine_kv_dtype, engine_precision
@@ -107,7 +108,7 @@ def check_window(num_pages: int, page_size: int, window: int, clamp: bool) -> in
         return capacity
     raise WindowTooLarge(
         f"pool holds {capacity} tokens ({num_pages} pages x {page_size}) but the window is {window}: "
-        f"set KVSERVE_NUM_PAGES >= {-(-window // page_size)}, or lower KVSERVE_WINDOW to <= {capacity}, "
+        f"set KVSERVE_NUM_PAGES >= {cdiv(window, page_size)}, or lower KVSERVE_WINDOW to <= {capacity}, "
         f"or set KVSERVE_CLAMP_WINDOW=1 to serve {capacity} tokens"
     )
 

@@ -14,6 +14,7 @@ from dataclasses import replace
 
 import torch
 
+from inference.arith import cdiv
 from inference.handoff import DecodeSide, Handoff, HandoffRefused, Verdict, handoff_accept
 from inference.handoff import blob_metadata
 from inference.kv_cache import page_checksums
@@ -50,7 +51,7 @@ def _cases(run: str, worker, key: bytes) -> list[tuple[str, Handoff, Handoff, to
     """(case, handoff sent with the blob, handoff decode receives, blob, the task's request id) per case."""
     ps, dtype = worker.page_size, worker.dtype
     expected = 2 * ps + 3
-    pages = -(-expected // ps)
+    pages = cdiv(expected, ps)
 
     def handoff(case, verdict=Verdict.OK, transferred=expected, num_pages=pages, blob=None, epochs=None, reason=""):
         blob = _blob(num_pages, ps, dtype) if blob is None else blob

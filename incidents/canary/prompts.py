@@ -2,6 +2,7 @@
 import secrets
 import string
 
+from inference.arith import cdiv
 from kvserve.chat.tokenizer import tokenizer_get
 from kvserve.tenants.models import ApiKey, Tenant
 from kvserve.tenants.services import api_key_create
@@ -51,7 +52,7 @@ def long_messages(min_tokens: int, sentinel: str = "") -> tuple[list[dict], int]
 
     base, one = prompt_tokens(build(0)), prompt_tokens(build(1))
     per = max(1, one - base)
-    reps = max(0, -(-(min_tokens - base) // per))
+    reps = max(0, cdiv(min_tokens - base, per))
     n = prompt_tokens(build(reps))
     while n < min_tokens:
         reps += max(1, (min_tokens - n) // per)
