@@ -475,46 +475,47 @@ KVS_INLINE __m512 exp512_nonpositive(__m512 x) {
   return _mm512_scalef_ps(q, n);
 }
 
-// 16 (or fewer, masked) K or V values of one row as fp32 lanes
-KVS_INLINE __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+// 16 (or fewer, masked) K or V values of one row as fp32 lanes; kFull: all 16, unmasked loads
+template <bool kFull>
+KVS_INLINE __m512 load16(const float* p, __mmask16 m) {
+  return kFull ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(m, p);
+}
+template <bool kFull>
 KVS_INLINE __m512 load16(const bf16_t* p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+  const __m256i raw = kFull ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)) : _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-// 16 vectors of partial sums (a[t]: token t's products, 16 lanes) -> one vector of their 16 sums:
-// a transpose-and-add tree (15 adds, 30 shuffles per 16 dot products, no per-product reduction).
-// The result's lanes come out in the order (4 * (t % 4) + t / 4); kFixLanes puts them back.
+// 16 vectors of partial sums (a[t]: token t's products, 16 lanes) -> one vector of their 16 sums, lane t token
+// t's: a transpose-and-add tree (15 adds, 30 shuffles per 16 dot products, no per-product reduction) that works
+// within 128-bit lanes first (24 in-lane shuffles) and crosses them only in its last two levels (6).
 KVS_INLINE __m512 reduce16(const __m512* a) {
-  __m512 r1[8], r2[4], r3[2];
-  for (int i = 0; i < 8; ++i) {
-    r1[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                          _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  }
-  for (int i = 0; i < 4; ++i) {
-    r2[i] = _mm512_add_ps(_mm512_shuffle_f32x4(r1[2 * i], r1[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                          _mm512_shuffle_f32x4(r1[2 * i], r1[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  }
-  for (int i = 0; i < 2; ++i) {
-    r3[i] = _mm512_add_ps(_mm512_shuffle_ps(r2[2 * i], r2[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                          _mm512_shuffle_ps(r2[2 * i], r2[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  }
-  const __m512 r4 = _mm512_add_ps(_mm512_shuffle_ps(r3[0], r3[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_ps(r3[0], r3[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  return r4;
+  __m512 r1[8], r2[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [t0 s02, t1 s02, t0 s13, t1 s13], t = 2i, 2i + 1
+    r1[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: tokens 4i .. 4i + 3, each that lane's sum
+    r2[i] = _mm512_add_ps(_mm512_shuffle_ps(r1[2 * i], r1[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm512_shuffle_ps(r1[2 * i], r1[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 r3a = _mm512_add_ps(_mm512_shuffle_f32x4(r2[0], r2[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_f32x4(r2[0], r2[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 r3b = _mm512_add_ps(_mm512_shuffle_f32x4(r2[2], r2[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_f32x4(r2[2], r2[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(r3a, r3b, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(r3a, r3b, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
 // One (sequence, query) item, keys in blocks of 16 tokens: for each query head, the 16 scores as one
 // vector (FMAs over head_dim per token, reduce16), an online-softmax update of the head's running
 // max / sum / output, then the block's V rows weighted in. State for all H heads stays in L1; the
 // block's rows (K and V of every kv head) are touched once, the next block's are prefetched.
-// NC = head_dim / 16 rounded up (the last chunk masked when head_dim is not a multiple of 16).
-template <int NC, typename KV>
+// NC = head_dim / 16 rounded up (the last chunk masked when head_dim is not a multiple of 16; kFull when it is).
+template <int NC, bool kFull, typename KV>
 KVS_INLINE void attend_item_avx512(const float* q, float* out, const KV* pool, const int32_t* table, int64_t tb,
                                    int64_t te, int64_t H, int64_t KVH, int64_t D, int64_t page_stride,
-                                   int64_t v_offset, int64_t ps, float scale, const __m512i fix_lanes,
-                                   std::vector<float>& state, float* part) {
+                                   int64_t v_offset, int64_t ps, float scale, std::vector<float>& state,
+                                   float* part) {
   const int64_t G = H / KVH, row_len = KVH * D;
-  const __mmask16 tail = static_cast<__mmask16>(D - 16 * (NC - 1) >= 16 ? 0xFFFF : (1u << (D - 16 * (NC - 1))) - 1);
+  const __mmask16 tail = static_cast<__mmask16>(kFull ? 0xFFFF : (1u << (D - 16 * (NC - 1))) - 1);
   HeadStates st(state, H, 16 * NC);
   float *acc = st.acc, *mx = st.mx, *sm = st.sm;
   RowBlocks<KV, 16> blk(pool, table, tb, te, page_stride, row_len, ps, v_offset);
@@ -529,20 +530,20 @@ KVS_INLINE void attend_item_avx512(const float* q, float* out, const KV* pool, c
         __m512 qv[NC];
         for (int c = 0; c < NC; ++c) {
           const __mmask16 mk = c == NC - 1 ? tail : 0xFFFF;
-          qv[c] = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, q + h * D + 16 * c), _mm512_set1_ps(scale));
+          qv[c] = _mm512_mul_ps(load16<kFull>(q + h * D + 16 * c, mk), _mm512_set1_ps(scale));
         }
         __m512 dots[16];
         for (int t = 0; t < 16; ++t) {
           const KV* k = rows[t] + kvh * D;
-          __m512 a = _mm512_mul_ps(qv[0], load16(k, NC == 1 ? tail : 0xFFFF));
+          __m512 a = _mm512_mul_ps(qv[0], load16<kFull>(k, NC == 1 ? tail : 0xFFFF));
           for (int c = 1; c < NC; ++c) {
             const __mmask16 mk = c == NC - 1 ? tail : 0xFFFF;
-            a = _mm512_fmadd_ps(qv[c], load16(k + 16 * c, mk), a);
+            a = _mm512_fmadd_ps(qv[c], load16<kFull>(k + 16 * c, mk), a);
           }
           dots[t] = a;
         }
         const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid,
-                                            _mm512_permutexvar_ps(fix_lanes, reduce16(dots)));
+                                            reduce16(dots));
         const float m_old = mx[h];
         const float m_new = std::max(m_old, _mm512_reduce_max_ps(s));
         const __m512 pv = _mm512_maskz_mov_ps(valid, exp512_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
@@ -561,7 +562,7 @@ KVS_INLINE void attend_item_avx512(const float* q, float* out, const KV* pool, c
           const KV* v = rows[t] + v_offset + kvh * D;
           for (int c = 0; c < NC; ++c) {
             const __mmask16 mk = c == NC - 1 ? tail : 0xFFFF;
-            o[c] = _mm512_fmadd_ps(w, load16(v + 16 * c, mk), o[c]);
+            o[c] = _mm512_fmadd_ps(w, load16<kFull>(v + 16 * c, mk), o[c]);
           }
         }
         for (int c = 0; c < NC; ++c) _mm512_storeu_ps(oh + 16 * c, o[c]);
@@ -574,14 +575,10 @@ KVS_INLINE void attend_item_avx512(const float* q, float* out, const KV* pool, c
 template <int NC, typename KV>
 void run_unit_avx512(const Problem<KV>& p, const Unit& u) {
   thread_local std::vector<float> state;
-  // reduce16's lane l holds token 4 * (l % 4) + l / 4: gather them back into token order
-  alignas(64) int32_t idx[16];
-  for (int t = 0; t < 16; ++t) idx[t] = 4 * (t % 4) + t / 4;
-  const __m512i fix_lanes = _mm512_load_si512(idx);
   const int64_t i = p.item_seq[u.item], row = p.query_start[i] + p.item_first[u.item];
-  attend_item_avx512<NC, KV>(p.q + row * p.q_row_stride, p.out + row * p.out_row_stride, p.pool,
-                             p.tables + i * p.table_width, u.tb, u.te, p.H, p.KVH, p.D, p.page_stride, p.v_offset,
-                             p.ps, p.scale, fix_lanes, state, unit_state(p, u));
+  const auto body = p.D == 16 * NC ? attend_item_avx512<NC, true, KV> : attend_item_avx512<NC, false, KV>;
+  body(p.q + row * p.q_row_stride, p.out + row * p.out_row_stride, p.pool, p.tables + i * p.table_width, u.tb, u.te,
+       p.H, p.KVH, p.D, p.page_stride, p.v_offset, p.ps, p.scale, state, unit_state(p, u));
 }
 
 #pragma GCC pop_options
