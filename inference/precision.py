@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from inference import native
+from inference.arith import cdiv
 from inference.memory import bound_gemm_caches
 
 log = logging.getLogger(__name__)
@@ -372,14 +373,15 @@ TIMING_BYTES = 8 << 20  # the row ladder's working set of bf16 weights: past a c
 
 
 def _codes_max_rows(linear, pack_codes, dense_linear, shape: tuple[int, int] = (1536, 576), top: int = 64) -> int:
-    """The largest of 1, 4, 16, 64 ... `top` rows up to which `linear` over a `shape` weight packed by `pack_codes`
+    """The largest of 1, 4, 16, 32, 64 ... `top` rows up to which `linear` over a `shape` weight packed by `pack_codes`
     (codes at any rows) beats `dense_linear` over its dense copy; 0 where the codes lose even at one row, and
     UNBOUNDED_ROWS where they still win at `top`. Timed over enough distinct weights of the shape that their dense
     copies outgrow a core's L2 (TIMING_BYTES), as a model's layers do: one weight, resident, flatters the dense
-    path at few rows, where a step is bound by the bytes it reads (past 16 rows, compute-bound, one copy is timed)."""
+    path at few rows, where a step is bound by the bytes it reads (past 16 rows, compute-bound, one copy is timed).
+    32 is a rung of its own: a decode step of 32 sequences, the batch a busy worker runs most."""
     gen = torch.Generator().manual_seed(0)
-    copies = max(1, min(32, -(-TIMING_BYTES // (2 * shape[0] * shape[1]))))
-    ladder = [r for r in (1, 4, 16, 64, 128, 256, 512) if r < top] + [top]
+    copies = max(1, min(32, cdiv(TIMING_BYTES, 2 * shape[0] * shape[1])))
+    ladder = [r for r in (1, 4, 16, 32, 64, 128, 256, 512) if r < top] + [top]
     best = 0
     with torch.inference_mode():
         packed = [pack_codes(torch.randn(*shape, generator=gen) / shape[1] ** 0.5) for _ in range(copies)]

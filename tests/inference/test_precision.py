@@ -352,7 +352,8 @@ def test_the_codes_rows_ladder_stops_where_dense_wins_and_is_unbounded_where_it_
     monkeypatch.setattr(precision, "_fastest_ms", lambda fns, repeats: [sum(fn()) for fn in fns])
     codes_cost = lambda x, packed: float(x.shape[0])  # noqa: E731  grows with the rows
     pack = lambda w: types.SimpleNamespace(dense=None)  # noqa: E731
-    assert precision._codes_max_rows(codes_cost, pack, lambda x, d: 40.0, (32, 32), top=512) == 16  # 1, 4, 16 won
+    assert precision._codes_max_rows(codes_cost, pack, lambda x, d: 40.0, (32, 32), top=512) == 32  # 1 .. 32 won
+    assert precision._codes_max_rows(codes_cost, pack, lambda x, d: 20.0, (32, 32), top=512) == 16  # 1, 4, 16 won
     assert precision._codes_max_rows(codes_cost, pack, lambda x, d: 0.5, (32, 32), top=512) == 0
     assert precision._codes_max_rows(codes_cost, pack, lambda x, d: 1e9, (32, 32), top=64) == precision.UNBOUNDED_ROWS
 
