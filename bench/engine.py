@@ -53,6 +53,9 @@ from inference.loader import load_model, resolve_model_path
 from inference.sequence import SamplingParams, SeqStatus
 from inference.threads import threads_set
 
+# issue 23's targets for kvserve / HF transformers on the same CPU (the JSON line says which are met)
+TARGETS = {"ratio_decode_c32": 2.5, "ratio_decode_c1": 1.5, "ratio_prefill": 2.0}
+
 
 def workload(tokenizer, quick: bool):
     if quick:
@@ -240,6 +243,7 @@ def main(argv=None) -> int:
         runs={k: [round(x, 2) for x in v] for k, v in runs.items()},
         precision=engine.precision, precision_choice=engine.precision_choice.line(), kv_dtype=engine.kv_dtype,
     )
+    result["targets_met"] = {k: result[k] >= v for k, v in TARGETS.items()}
     for m, e in others.items():
         result.update({f"kvserve_decode_tok_s_c32_{m}": med[f"kv_c32_{m}"], f"kvserve_decode_tok_s_c1_{m}": med[f"kv_c1_{m}"],
                        f"kvserve_prefill_tok_s_500_{m}": med[f"kv_prefill_{m}"],
@@ -249,12 +253,13 @@ def main(argv=None) -> int:
                        f"precision_{m}": e.precision_choice.line(), f"kv_dtype_{m}": e.kv_dtype})
     rows = [
         dict(figure=f"decode tok/s, {len(prompts)} concurrent", kvserve=med["kv_c32"], hf=med["hf_b32"],
-             ratio=result["ratio_decode_c32"], target=1.8),
+             ratio=result["ratio_decode_c32"], target=TARGETS["ratio_decode_c32"]),
         dict(figure=f"  same, HF counting only requested tokens", kvserve=med["kv_c32"], hf=med["hf_b32_goodput"],
              ratio=result["ratio_decode_c32_goodput"], target="-"),
-        dict(figure="decode tok/s, 1 stream", kvserve=med["kv_c1"], hf=med["hf_b1"], ratio=result["ratio_decode_c1"], target=1.0),
+        dict(figure="decode tok/s, 1 stream", kvserve=med["kv_c1"], hf=med["hf_b1"], ratio=result["ratio_decode_c1"],
+             target=TARGETS["ratio_decode_c1"]),
         dict(figure=f"prefill tok/s, {len(w['prefill_prompt'])}-token prompt", kvserve=med["kv_prefill"],
-             hf=med["hf_prefill"], ratio=result["ratio_prefill"], target=1.0),
+             hf=med["hf_prefill"], ratio=result["ratio_prefill"], target=TARGETS["ratio_prefill"]),
     ]
     for m, e in others.items():
         rows += [dict(figure=f"[{m} -> {e.precision}] decode tok/s, {len(prompts)} concurrent", kvserve=med[f"kv_c32_{m}"],
