@@ -214,10 +214,10 @@ def test_live_probes_pass_on_healthy_workers_and_fail_naming_the_worker_whose_ch
 
 # ---- a saturated decode worker: every Celery thread busy, the pool near full -------------------------------
 
-def stream_chat(stack, content: str, max_tokens: int) -> dict:
+def stream_chat(stack, content: str, max_tokens: int, **extra) -> dict:
     """One streamed chat completion read to its end: status, finish reason or error, and when each delta came."""
     body = json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-                       "stream": True}).encode()
+                       "stream": True, **extra}).encode()
     req = urllib.request.Request(stack.url + "/v1/chat/completions", data=body, method="POST",
                                  headers={"Authorization": f"Bearer {stack.api_key}", "Content-Type": "application/json"})
     out = {"status": None, "finish": None, "error": None, "deltas": []}
@@ -277,7 +277,10 @@ def test_a_saturated_decode_worker_is_judged_through_its_probe_lane_and_never_qu
             samples.append((time.monotonic(), decoding(s)))
 
     with ThreadPoolExecutor(4) as pool:  # two decode, two wait in its queue (their KV within its transport TTL)
-        streams = [pool.submit(stream_chat, s, f"Story {i}. " + "the sea is wide " * 68, 1000) for i in range(4)]
+        # ignore_eos: the tiny random model samples its end-of-sequence token now and then, and a stream that ended
+        # after a few tokens (CI: one decode task done in 1.2 s) never let the pool fill
+        streams = [pool.submit(stream_chat, s, f"Story {i}. " + "the sea is wide " * 68, 1000, ignore_eos=True)
+                   for i in range(4)]
         # the probes start once both streams hold the pool near full (the loop's deadline fails the test otherwise;
         # reading the use again after it proves nothing: a stream may end or be preempted right after)
         deadline = time.monotonic() + 300
