@@ -52,6 +52,19 @@ def test_incident_shape_eight_pages_one_written_is_an_unwritten_read():
     assert (v.kind, v.page, v.watermark, v.reader, v.pool) == ("unwritten_read", 0, 1, "placeholder", "p0")
 
 
+def test_a_read_past_the_block_table_is_an_unwritten_read_at_any_page_size():
+    """cdiv(num_past + num_new, page_size) pages are read: one past the table's end raises, its last slot does not."""
+    bm, _ = setup()
+    a = seq("a")
+    bm.allocate(a, 2)  # 8 slots of 4
+    bm.mark_written(a, 8)
+    bm.check_reads(a, num_past=7, num_new=1)
+    with pytest.raises(OwnershipViolation) as err:
+        bm.check_reads(a, num_past=8, num_new=1)  # slot 9: a third page the sequence does not hold
+    v = err.value.violation
+    assert (v.kind, v.page, v.reader) == ("unwritten_read", -1, "a")  # -1: no page of its own there
+
+
 def test_foreign_page_in_block_table_is_a_foreign_read():
     bm, _ = setup()
     a, b = seq("a"), seq("b")
