@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
 SOURCES = (HERE / "paged_attention.cpp", HERE / "fused.cpp", HERE / "quant.cpp", HERE / "layer.cpp", HERE / "pool.cpp")
-HEADERS = (HERE / "pool.h", HERE / "cap.h")
+HEADERS = (HERE / "pool.h", HERE / "cap.h", HERE / "arith.h")
 BUILD_DIR = HERE / "build"
 CFLAGS = ["-O3", "-fopenmp", "-fopenmp-simd", "-std=c++17"]
 LDFLAGS = ["-fopenmp"]

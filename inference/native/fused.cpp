@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "arith.h"
 #include "cap.h"
 #include "pool.h"
 
@@ -27,7 +28,7 @@ namespace {
 
 template <typename Out>
 void rms_rows(const float* x, const float* w, Out* out, int64_t rows, int64_t h, float eps) {
-  const int64_t chunks = std::min<int64_t>((rows + 15) / 16, 8 * kvs::threads());
+  const int64_t chunks = std::min<int64_t>(kvs::cdiv(rows, 16), 8 * kvs::threads());
   kvs::parallel_chunks(chunks, [&](int64_t c) {
     int64_t lo, hi;
     kvs::chunk_range(rows, chunks, c, &lo, &hi);
@@ -99,7 +100,7 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   float* o = out.data_ptr<float>();
   const int64_t row = qkv.size(1), kv_stride = S * kv_heads * D;  // K -> V: one [S, KVH, D] block further
   const int64_t page_stride = pool.stride(0), layer_off = layer * pool.stride(1);
-  const int64_t chunks = std::min<int64_t>((T + 7) / 8, 8 * kvs::threads());
+  const int64_t chunks = std::min<int64_t>(kvs::cdiv(T, 8), 8 * kvs::threads());
   auto run = [&](auto* data) {
     kvs::parallel_chunks(chunks, [&](int64_t chunk) {
       int64_t lo, hi;

@@ -13,7 +13,7 @@
 //
 // Three builds of the loop live in one library, picked at run time (`__builtin_cpu_supports`, or
 // KVSERVE_ATTN_ISA=avx512|avx2|generic read at load, or the set_isa op): `avx512` (blocks of 16
-// tokens, online softmax, see attend_item_avx512), `avx2` (the same scheme in blocks of 8, attend_item_avx2; head
+// tokens, online softmax, the query heads that share a KV head together, see attend_item_avx512), `avx2` (the same scheme in blocks of 8, attend_item_avx2; head
 // dims it does not take run the two-pass loop compiled for x86-64-v3) and `generic` (the two-pass loop, baseline
 // x86-64). No -march flag is used, so the .so runs on any x86-64 CPU.
 #include <ATen/core/Tensor.h>
@@ -33,6 +33,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "arith.h"
 #include "cap.h"
 #include "pool.h"
 
@@ -44,6 +45,11 @@ namespace {
 #endif
 
 #define KVS_INLINE inline __attribute__((always_inline))
+
+// A line of a page the loop reads next, fetched into L2 (prefetcht1), not L1: a prefetch into L1 holds one of the
+// core's few L1 miss buffers (about 20) until its line arrives, which capped a core at ~8 GB/s of scattered pages on
+// a Zen 4 EPYC (a plain sum streams 23 GB/s there); into L2 many more are in flight, and the loads that follow hit L2.
+KVS_INLINE void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 
 using bf16_t = uint16_t;  // a bf16 pool's element, raw: the top 16 bits of an fp32
 
@@ -88,7 +94,7 @@ KVS_INLINE void attend_item(const float* q, float* out, const KV* pool, const in
                             int64_t H, int64_t KVH, int64_t d_runtime, int64_t page_stride, int64_t v_offset,
                             int64_t ps, float scale, std::vector<float>& scores, float* state) {
   const int64_t D = DimT::value > 0 ? DimT::value : d_runtime;
-  const int64_t G = H / KVH, row_len = KVH * D, n = te - tb, first_page = tb / ps, end_page = (te + ps - 1) / ps;
+  const int64_t G = H / KVH, row_len = KVH * D, n = te - tb, first_page = tb / ps, end_page = kvs::cdiv(te, ps);
   scores.resize(static_cast<size_t>(H) * n);
   float* s = scores.data();
   float* acc = state ? state : out;
@@ -127,7 +133,7 @@ KVS_INLINE void attend_item(const float* q, float* out, const KV* pool, const in
       const int64_t t0 = pi * ps - tb, o0 = std::max<int64_t>(0, -t0), m = std::min(ps, n - t0);
       for (int64_t o = o0; o < m; ++o) {
         if (next) {
-          for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(next + o * row_bytes + b);
+          for (int64_t b = 0; b < row_bytes; b += 64) prefetch_l2(next + o * row_bytes + b);
         }
         const KV* rowp = page + o * row_len;
         for (int64_t kvh = 0; kvh < KVH; ++kvh) {
@@ -277,7 +283,7 @@ class RowBlocks {
   // prefetches the next block's lines up to the fraction done / total of them
   KVS_INLINE void prefetch_upto(int64_t done, int64_t total) {
     for (const int64_t stop = lines_ * done / total; line_ < stop; ++line_) {
-      __builtin_prefetch(pf_row_ + pf_b_);
+      prefetch_l2(pf_row_ + pf_b_);
       if ((pf_b_ += 64) >= row_bytes_) {  // next line: K row, then V row, then the next token's
         pf_b_ = 0;
         pf_row_ = ++pf_r_ >= 2 * mn_ ? pf_row_
@@ -294,7 +300,7 @@ class RowBlocks {
       next_[t] = pool_ + static_cast<int64_t>(table_[page_]) * page_stride_ + off_ * row_len_;
       if (++off_ == ps_) off_ = 0, ++page_;
     }
-    lines_ = 2 * mn_ * ((row_bytes_ + 63) / 64);
+    lines_ = 2 * mn_ * kvs::cdiv(row_bytes_, 64);
     line_ = pf_b_ = 0;
     pf_r_ = 0;
     pf_row_ = mn_ ? reinterpret_cast<const char*>(next_[0]) : nullptr;
@@ -486,16 +492,18 @@ KVS_INLINE __m512 load16(const bf16_t* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-// 16 vectors of partial sums (a[t]: token t's products, 16 lanes) -> one vector of their 16 sums, lane t token
-// t's: a transpose-and-add tree (15 adds, 30 shuffles per 16 dot products, no per-product reduction) that works
-// within 128-bit lanes first (24 in-lane shuffles) and crosses them only in its last two levels (6).
-KVS_INLINE __m512 reduce16(const __m512* a) {
-  __m512 r1[8], r2[4];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [t0 s02, t1 s02, t0 s13, t1 s13], t = 2i, 2i + 1
-    r1[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)  // per 128-bit lane: tokens 4i .. 4i + 3, each that lane's sum
-    r2[i] = _mm512_add_ps(_mm512_shuffle_ps(r1[2 * i], r1[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                          _mm512_shuffle_ps(r1[2 * i], r1[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+// The transpose-and-add tree that turns 16 vectors of partial sums (a[t]: token t's products, 16 lanes) into one
+// vector of their 16 sums, lane t token t's (15 adds, 30 shuffles per 16 dot products, no per-product reduction),
+// in three steps so that it can run as the tokens come: pair16 (tokens 2i, 2i + 1), quad16 (two pairs: tokens
+// 4j .. 4j + 3, each 128-bit lane's sum) and tree16 (four quads). In-lane shuffles first (24), crossing 128-bit
+// lanes only in the last two levels (6).
+KVS_INLINE __m512 pair16(__m512 a, __m512 b) {  // per 128-bit lane: [t0 s02, t1 s02, t0 s13, t1 s13]
+  return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+}
+KVS_INLINE __m512 quad16(__m512 x, __m512 y) {
+  return _mm512_add_ps(_mm512_shuffle_ps(x, y, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_ps(x, y, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+KVS_INLINE __m512 tree16(const __m512* r2) {
   const __m512 r3a = _mm512_add_ps(_mm512_shuffle_f32x4(r2[0], r2[1], _MM_SHUFFLE(1, 0, 1, 0)),
                                    _mm512_shuffle_f32x4(r2[0], r2[1], _MM_SHUFFLE(3, 2, 3, 2)));
   const __m512 r3b = _mm512_add_ps(_mm512_shuffle_f32x4(r2[2], r2[3], _MM_SHUFFLE(1, 0, 1, 0)),
@@ -504,68 +512,106 @@ KVS_INLINE __m512 reduce16(const __m512* a) {
                        _mm512_shuffle_f32x4(r3a, r3b, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// One (sequence, query) item, keys in blocks of 16 tokens: for each query head, the 16 scores as one
-// vector (FMAs over head_dim per token, reduce16), an online-softmax update of the head's running
-// max / sum / output, then the block's V rows weighted in. State for all H heads stays in L1; the
-// block's rows (K and V of every kv head) are touched once, the next block's are prefetched.
+// One block for the GG query heads h0 .. h0 + GG - 1 that share KV head kvh: each K and V row is loaded (a bf16 row
+// widened) once for all of them; each head's arithmetic is the one-head loop's, in the same order. Per head the 16
+// scores as one vector (FMAs over head_dim per token, the tree as the tokens come), an online-softmax update of its
+// running max / sum / output, then the block's V rows weighted in.
+template <int GG, int NC, bool kFull, typename KV, typename Prefetch>
+KVS_INLINE void attend_heads_avx512(const float* qs, int64_t h0, int64_t kvh, int64_t D, const KV* const* rows, int m,
+                                    __mmask16 valid, __mmask16 tail, int64_t v_offset, float* acc,
+                                    float* mx, float* sm, Prefetch&& prefetch) {
+  // the heads' scaled queries, read by the FMAs straight from L1: in registers (GG x NC of them) they crowded out
+  // the tree's partial sums (a bf16 pool 1.1x slower in cache)
+  const float* qh = qs + h0 * 16 * NC;
+  __m512 r2[GG][4];
+  for (int j = 0; j < 4; ++j) {
+    prefetch(j);
+    __m512 r1[GG][2];
+    for (int pr = 0; pr < 2; ++pr) {
+      __m512 a[GG][2];
+      for (int u = 0; u < 2; ++u) {
+        const KV* k = rows[4 * j + 2 * pr + u] + kvh * D;
+        __m512 kc[NC];
+        for (int c = 0; c < NC; ++c) kc[c] = load16<kFull>(k + 16 * c, c == NC - 1 ? tail : 0xFFFF);
+        for (int g = 0; g < GG; ++g) {
+          __m512 s = _mm512_mul_ps(_mm512_load_ps(qh + g * 16 * NC), kc[0]);
+          for (int c = 1; c < NC; ++c) s = _mm512_fmadd_ps(_mm512_load_ps(qh + (g * NC + c) * 16), kc[c], s);
+          a[g][u] = s;
+        }
+      }
+      for (int g = 0; g < GG; ++g) r1[g][pr] = pair16(a[g][0], a[g][1]);
+    }
+    for (int g = 0; g < GG; ++g) r2[g][j] = quad16(r1[g][0], r1[g][1]);
+  }
+  alignas(64) float pw[GG][16];
+  __m512 o[GG][NC];
+  for (int g = 0; g < GG; ++g) {
+    const int64_t h = h0 + g;
+    const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, tree16(r2[g]));
+    const float m_old = mx[h];
+    const float m_new = std::max(m_old, _mm512_reduce_max_ps(s));
+    const __m512 pv = _mm512_maskz_mov_ps(valid, exp512_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+    const float alpha = m_old == -std::numeric_limits<float>::infinity()
+        ? 0.f : _mm512_cvtss_f32(exp512_nonpositive(_mm512_set1_ps(m_old - m_new)));
+    mx[h] = m_new;
+    sm[h] = sm[h] * alpha + _mm512_reduce_add_ps(pv);
+    _mm512_store_ps(pw[g], pv);
+    const __m512 av = _mm512_set1_ps(alpha);
+    for (int c = 0; c < NC; ++c) o[g][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + h * 16 * NC + 16 * c), av);
+  }
+  for (int t = 0; t < m; ++t) {
+    if ((t & 3) == 0) prefetch(4 + t / 4);
+    const KV* v = rows[t] + v_offset + kvh * D;
+    __m512 vc[NC];
+    for (int c = 0; c < NC; ++c) vc[c] = load16<kFull>(v + 16 * c, c == NC - 1 ? tail : 0xFFFF);
+    for (int g = 0; g < GG; ++g) {
+      const __m512 w = _mm512_set1_ps(pw[g][t]);
+      for (int c = 0; c < NC; ++c) o[g][c] = _mm512_fmadd_ps(w, vc[c], o[g][c]);
+    }
+  }
+  for (int g = 0; g < GG; ++g)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + (h0 + g) * 16 * NC + 16 * c, o[g][c]);
+}
+
+// One (sequence, query) item, keys in blocks of 16 tokens, query heads in groups of up to kHeadGroup that share a
+// KV head (attend_heads_avx512). State for all H heads stays in L1; the block's rows (K and V of every kv head) are
+// touched once, the next block's are prefetched.
 // NC = head_dim / 16 rounded up (the last chunk masked when head_dim is not a multiple of 16; kFull when it is).
+constexpr int64_t kHeadGroup = 4;
+
 template <int NC, bool kFull, typename KV>
 KVS_INLINE void attend_item_avx512(const float* q, float* out, const KV* pool, const int32_t* table, int64_t tb,
                                    int64_t te, int64_t H, int64_t KVH, int64_t D, int64_t page_stride,
                                    int64_t v_offset, int64_t ps, float scale, std::vector<float>& state,
-                                   float* part) {
+                                   std::vector<float>& qbuf, float* part) {
   const int64_t G = H / KVH, row_len = KVH * D;
   const __mmask16 tail = static_cast<__mmask16>(kFull ? 0xFFFF : (1u << (D - 16 * (NC - 1))) - 1);
   HeadStates st(state, H, 16 * NC);
-  float *acc = st.acc, *mx = st.mx, *sm = st.sm;
+  // q scaled once per item, each head padded to 16 * NC lanes with zeros, 64-byte aligned
+  qbuf.resize(static_cast<size_t>(H * 16 * NC + 16));
+  float* qs = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(qbuf.data()) + 63) & ~uintptr_t{63});
+  for (int64_t h = 0; h < H; ++h)
+    for (int c = 0; c < NC; ++c)
+      _mm512_store_ps(qs + (h * NC + c) * 16, _mm512_mul_ps(load16<kFull>(q + h * D + 16 * c, c == NC - 1 ? tail : 0xFFFF),
+                                                            _mm512_set1_ps(scale)));
   RowBlocks<KV, 16> blk(pool, table, tb, te, page_stride, row_len, ps, v_offset);
   const KV* const* rows = blk.rows;
+  const int64_t steps = KVH * kvs::cdiv(G, kHeadGroup) * 8;
   while (blk.next()) {
     const int m = blk.m;
     const __mmask16 valid = static_cast<__mmask16>(m == 16 ? 0xFFFF : (1u << m) - 1);
+    int64_t step = 0;  // the next block's lines are prefetched a share per eighth of a group's work
+    const auto prefetch = [&](int64_t k) { blk.prefetch_upto(step + k + 1, steps); };
     for (int64_t kvh = 0; kvh < KVH; ++kvh) {
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t h = kvh * G + g;
-        blk.prefetch_upto(h + 1, H);
-        __m512 qv[NC];
-        for (int c = 0; c < NC; ++c) {
-          const __mmask16 mk = c == NC - 1 ? tail : 0xFFFF;
-          qv[c] = _mm512_mul_ps(load16<kFull>(q + h * D + 16 * c, mk), _mm512_set1_ps(scale));
+      for (int64_t g = 0; g < G; g += kHeadGroup, step += 8) {
+        const int64_t h0 = kvh * G + g, n = std::min(kHeadGroup, G - g);
+        switch (n) {
+#define KVS_HEADS(GG) \
+  case GG: attend_heads_avx512<GG, NC, kFull, KV>(qs, h0, kvh, D, rows, m, valid, tail, v_offset, st.acc, \
+                                                  st.mx, st.sm, prefetch); break;
+          KVS_HEADS(1) KVS_HEADS(2) KVS_HEADS(3) default: KVS_HEADS(4)
+#undef KVS_HEADS
         }
-        __m512 dots[16];
-        for (int t = 0; t < 16; ++t) {
-          const KV* k = rows[t] + kvh * D;
-          __m512 a = _mm512_mul_ps(qv[0], load16<kFull>(k, NC == 1 ? tail : 0xFFFF));
-          for (int c = 1; c < NC; ++c) {
-            const __mmask16 mk = c == NC - 1 ? tail : 0xFFFF;
-            a = _mm512_fmadd_ps(qv[c], load16<kFull>(k + 16 * c, mk), a);
-          }
-          dots[t] = a;
-        }
-        const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid,
-                                            reduce16(dots));
-        const float m_old = mx[h];
-        const float m_new = std::max(m_old, _mm512_reduce_max_ps(s));
-        const __m512 pv = _mm512_maskz_mov_ps(valid, exp512_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
-        const float alpha = m_old == -std::numeric_limits<float>::infinity()
-            ? 0.f : _mm512_cvtss_f32(exp512_nonpositive(_mm512_set1_ps(m_old - m_new)));
-        mx[h] = m_new;
-        sm[h] = sm[h] * alpha + _mm512_reduce_add_ps(pv);
-        alignas(64) float pw[16];
-        _mm512_store_ps(pw, pv);
-        float* oh = acc + h * 16 * NC;
-        __m512 o[NC];
-        const __m512 av = _mm512_set1_ps(alpha);
-        for (int c = 0; c < NC; ++c) o[c] = _mm512_mul_ps(_mm512_loadu_ps(oh + 16 * c), av);
-        for (int t = 0; t < m; ++t) {
-          const __m512 w = _mm512_set1_ps(pw[t]);
-          const KV* v = rows[t] + v_offset + kvh * D;
-          for (int c = 0; c < NC; ++c) {
-            const __mmask16 mk = c == NC - 1 ? tail : 0xFFFF;
-            o[c] = _mm512_fmadd_ps(w, load16<kFull>(v + 16 * c, mk), o[c]);
-          }
-        }
-        for (int c = 0; c < NC; ++c) _mm512_storeu_ps(oh + 16 * c, o[c]);
       }
     }
   }
@@ -574,11 +620,11 @@ KVS_INLINE void attend_item_avx512(const float* q, float* out, const KV* pool, c
 
 template <int NC, typename KV>
 void run_unit_avx512(const Problem<KV>& p, const Unit& u) {
-  thread_local std::vector<float> state;
+  thread_local std::vector<float> state, qbuf;
   const int64_t i = p.item_seq[u.item], row = p.query_start[i] + p.item_first[u.item];
   const auto body = p.D == 16 * NC ? attend_item_avx512<NC, true, KV> : attend_item_avx512<NC, false, KV>;
   body(p.q + row * p.q_row_stride, p.out + row * p.out_row_stride, p.pool, p.tables + i * p.table_width, u.tb, u.te,
-       p.H, p.KVH, p.D, p.page_stride, p.v_offset, p.ps, p.scale, state, unit_state(p, u));
+       p.H, p.KVH, p.D, p.page_stride, p.v_offset, p.ps, p.scale, state, qbuf, unit_state(p, u));
 }
 
 #pragma GCC pop_options
@@ -628,7 +674,7 @@ template <typename DimT, typename KV>
 void run_unit(const Problem<KV>& p, const Unit& u, Isa isa) {
 #ifdef KVS_X86
   if (isa == Isa::avx512) {
-    switch ((p.D + 15) / 16) {
+    switch (kvs::cdiv(p.D, 16)) {
       case 1: return run_unit_avx512<1, KV>(p, u);
       case 2: return run_unit_avx512<2, KV>(p, u);
       case 3: return run_unit_avx512<3, KV>(p, u);
@@ -697,12 +743,12 @@ std::vector<Unit> plan_units(const std::vector<int64_t>& keys, std::vector<std::
   std::vector<Unit> units;
   *num_parts = 0;
   for (int64_t w = 0; w < static_cast<int64_t>(keys.size()); ++w) {
-    const int64_t n = keys[w], parts = (n + kPartKeys - 1) / kPartKeys;
+    const int64_t n = keys[w], parts = kvs::cdiv(n, kPartKeys);
     if (parts <= 1) {
       units.push_back({w, 0, n, -1});
       continue;
     }
-    const int64_t len = (((n + parts - 1) / parts + 15) / 16) * 16;
+    const int64_t len = kvs::cdiv(kvs::cdiv(n, parts), 16) * 16;
     const int64_t first = *num_parts;
     for (int64_t tb = 0; tb < n; tb += len) units.push_back({w, tb, std::min(n, tb + len), (*num_parts)++});
     splits->push_back({w, first, *num_parts - first});
@@ -737,10 +783,10 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   const int32_t* tab = tables.data_ptr<int32_t>();
   std::vector<int64_t> item_seq, item_first;
   for (int64_t i = 0; i < S; ++i) {
-    TORCH_CHECK(qlen[i] >= 1 && lens[i] >= qlen[i] && (lens[i] + ps - 1) / ps <= W, "sequence ", i,
+    TORCH_CHECK(qlen[i] >= 1 && lens[i] >= qlen[i] && kvs::cdiv(lens[i], ps) <= W, "sequence ", i,
                 ": bad query_len/context_len for its table");
     TORCH_CHECK(qstart[i] >= 0 && qstart[i] + qlen[i] <= q.size(0), "sequence ", i, ": query rows out of range");
-    for (int64_t k = 0; k < (lens[i] + ps - 1) / ps; ++k) {
+    for (int64_t k = 0; k < kvs::cdiv(lens[i], ps); ++k) {
       TORCH_CHECK(tab[i * W + k] >= 0 && tab[i * W + k] < num_pages, "sequence ", i, ": page id out of range");
     }
     for (int64_t j = 0; j < qlen[i]; ++j) {

@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "arith.h"
 #include "cap.h"
 #include "pool.h"
 
@@ -192,7 +193,7 @@ struct PairActs {
 };
 
 PairActs pair_acts(const QuantActs& a, int64_t R, int64_t KB) {
-  const int64_t KP = (KB + 1) / 2;
+  const int64_t KP = kvs::cdiv(KB, 2);
   PairActs p{std::vector<int8_t>(R * KP * 64, 0), std::vector<float>(R * KP * 8, 0.f)};
   for (int64_t r = 0; r < R; ++r)
     for (int64_t b = 0; b < KB; ++b) {
@@ -210,7 +211,7 @@ __attribute__((target("avx2,fma"))) void tile_q4_pairs_avx2(const uint8_t* w, co
                                                              int64_t N, int64_t KB, const QuantActs& a,
                                                              const PairActs& p, int64_t r0, float* out, int64_t n0,
                                                              int64_t n1) {
-  const int64_t KP = (KB + 1) / 2;
+  const int64_t KP = kvs::cdiv(KB, 2);
   const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   const int8_t* qa = p.q.data() + r0 * KP * 64;
@@ -516,7 +517,7 @@ at::Tensor coded_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
   const QIsa isa = g_isa;
   PairActs pairs;
   if (Q4 && isa != QIsa::generic) pairs = pair_acts(a, R, KB);
-  const int64_t runs = (N + 15) / 16, chunks = std::min<int64_t>(runs, 32 * kvs::threads());
+  const int64_t runs = kvs::cdiv(N, 16), chunks = std::min<int64_t>(runs, 32 * kvs::threads());
   kvs::parallel_chunks(chunks, [&](int64_t c) {
     int64_t lo, hi;
     kvs::chunk_range(runs, chunks, c, &lo, &hi);

@@ -13,7 +13,7 @@ from inference.attention import BACKENDS, AttentionBatch, SeqBatch
 from inference.kv_cache import PagePool, cdiv
 from tests.inference.test_attention import random_case
 
-SHAPES = [(9, 3, 64), (4, 2, 16), (4, 4, 32), (8, 1, 128), (6, 2, 24), (9, 3, 80), (4, 2, 160)]
+SHAPES = [(9, 3, 64), (4, 2, 16), (4, 4, 32), (8, 1, 128), (6, 2, 24), (9, 3, 80), (4, 2, 160), (10, 2, 48)]
 
 
 def runnable_isas() -> list[str]:
