@@ -369,20 +369,25 @@ def _cpu_fp32_kernel() -> str:
 
 
 UNBOUNDED_ROWS = 1 << 30  # the codes won at the top of the ladder: they take every row count
+CLEAR_LOSS = 1.25  # codes / dense time past which a rung is lost beyond a shared host's noise
 TIMING_BYTES = 8 << 20  # the row ladder's working set of bf16 weights: past a core's L2, as a model's layers are
 
 
 def _codes_max_rows(linear, pack_codes, dense_linear, shape: tuple[int, int] = (1536, 576), top: int = 64) -> int:
-    """The largest of 1, 4, 16, 32, 64 ... `top` rows up to which `linear` over a `shape` weight packed by `pack_codes`
-    (codes at any rows) beats `dense_linear` over its dense copy; 0 where the codes lose even at one row, and
-    UNBOUNDED_ROWS where they still win at `top`. Timed over enough distinct weights of the shape that their dense
-    copies outgrow a core's L2 (TIMING_BYTES), as a model's layers do: one weight, resident, flatters the dense
-    path at few rows, where a step is bound by the bytes it reads (past 16 rows, compute-bound, one copy is timed).
+    """The most rows, one of 1, 4, 16, 32, 64 ... `top`, up to which `linear` over a `shape` weight packed by
+    `pack_codes` (codes at any rows) is used rather than `dense_linear` over its dense copy; 0 where the codes lose
+    even at one row, and UNBOUNDED_ROWS where they take every rung up to `top`. Each rung is timed (codes / dense);
+    the threshold is the one that costs least summed over the rungs (a rung's ratio where the codes take it, 1 where
+    dense does), so one rung the codes lose narrowly between rungs they win clearly (a stall on a shared host, a
+    kernel's weaker tile) does not hand every larger row count to dense. The ladder stops after two rungs lost by
+    more than CLEAR_LOSS. Timed over enough distinct weights of the shape that their dense copies outgrow a core's
+    L2 (TIMING_BYTES), as a model's layers do: one weight, resident, flatters the dense path at few rows, where a
+    step is bound by the bytes it reads (past 16 rows, compute-bound, one copy is timed).
     32 is a rung of its own: a decode step of 32 sequences, the batch a busy worker runs most."""
     gen = torch.Generator().manual_seed(0)
     copies = max(1, min(32, cdiv(TIMING_BYTES, 2 * shape[0] * shape[1])))
     ladder = [r for r in (1, 4, 16, 32, 64, 128, 256, 512) if r < top] + [top]
-    best = 0
+    ratios = []  # codes ms / dense ms per rung timed
     with torch.inference_mode():
         packed = [pack_codes(torch.randn(*shape, generator=gen) / shape[1] ** 0.5) for _ in range(copies)]
         for rows in ladder:
@@ -390,10 +395,15 @@ def _codes_max_rows(linear, pack_codes, dense_linear, shape: tuple[int, int] = (
             repeats, some = (7, packed) if rows <= 16 else (3, packed[:1])  # past 16 rows the products are compute-bound
             codes_ms, dense_ms = _fastest_ms([lambda: [linear(x, p) for p in some],
                                               lambda: [dense_linear(x, p.dense) for p in some]], repeats)
-            if codes_ms >= dense_ms:
-                return best
-            best = rows
-    return UNBOUNDED_ROWS
+            ratios.append(codes_ms / dense_ms)
+            if len(ratios) >= 2 and min(ratios[-2:]) > CLEAR_LOSS:
+                break
+    # codes on the first k rungs: cost(k) = sum(ratios[:k]) + (rungs - k); the least, and of equals the fewest codes
+    costs = [sum(ratios[:k]) + len(ratios) - k for k in range(len(ratios) + 1)]
+    k = costs.index(min(costs))
+    if k == len(ladder):
+        return UNBOUNDED_ROWS
+    return ladder[k - 1] if k else 0
 
 
 def _fastest_ms(fns, repeats: int) -> list[float]:
