@@ -42,9 +42,11 @@ def queued_key(request_id: str) -> str:
 
 
 def queued_note(request_id: str, prompt_ids: list[int]) -> None:
-    """The web queued this request's prefill (kept until claimed, at most the queue timeout)."""
-    redis_client(settings.REDIS_URL).set(queued_key(request_id), json.dumps(prompt_ids),
-                                         ex=settings.KVSERVE_QUEUE_TIMEOUT_S)
+    """The web queued this request's prefill (kept until claimed, at most the queue timeout). A keyed write:
+    repeated across a dropped connection."""
+    repeat(lambda: redis_client(settings.REDIS_URL).set(queued_key(request_id), json.dumps(prompt_ids),
+                                                        ex=settings.KVSERVE_QUEUE_TIMEOUT_S),
+           f"noting the prefill of {request_id}")
 
 
 def queued_done(request_id: str) -> None:

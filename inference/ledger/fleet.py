@@ -6,6 +6,7 @@ from typing import Sequence
 import redis
 
 from inference.ledger.keys import ledger_key, owner_prefix, text
+from inference.retry import repeat
 
 
 def pool_ids(redis_client: redis.Redis, prefix: str = "kvs") -> list[str]:
@@ -55,8 +56,14 @@ def pool_counts(redis_client: redis.Redis, prefix: str = "kvs") -> list[PoolCoun
 def owners_held_tokens(redis_client: redis.Redis, owners: Sequence[str], prefix: str = "kvs") -> dict[str, int]:
     """owner -> tokens of KV its pages hold (pages x page size, summed over every registered pool), for the
     per-tenant budget (inference.tenant_budget). Two round trips: one SCARD per (pool, owner) and one HGET
-    of each pool's page size, so O(pools x owners) whatever the pools' sizes; owners holding nothing map to 0."""
+    of each pool's page size, so O(pools x owners) whatever the pools' sizes; owners holding nothing map to 0.
+    Reads only: repeated across a dropped connection (admission calls it; a killed connection must not refuse a
+    request)."""
     owners = list(owners)
+    return repeat(lambda: _owners_held_tokens(redis_client, owners, prefix), "reading the owners' holdings")
+
+
+def _owners_held_tokens(redis_client: redis.Redis, owners: list[str], prefix: str) -> dict[str, int]:
     pools = pool_ids(redis_client, prefix) if owners else []
     held = dict.fromkeys(owners, 0)
     if not pools:

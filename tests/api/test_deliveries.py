@@ -5,6 +5,7 @@ SIGKILLed with messages prefetched (a graceful close would restore them itself).
 import uuid
 
 import pytest
+import redis
 from kombu import Connection, Exchange, Queue
 
 from kvserve.chat.reaper import requests_reap_orphans
@@ -217,3 +218,24 @@ def test_a_claim_note_redis_cannot_delete_does_not_fail_the_stage(settings, capl
     queued_done("chatcmpl-x")
     handed_done("chatcmpl-x")
     assert sum("could not delete" in r.getMessage() for r in caplog.records) == 2
+
+
+def test_the_webs_prefill_note_is_written_across_a_killed_connection(tmp_path, settings):
+    """queued_note runs as the request is queued: its connection killed while the SET waits (Redis paused for
+    writes, its own server) is a repeat, not a failed request (a 503 in tests/e2e/test_redis_kills.py)."""
+    from kvserve.deliveries import queued_key, queued_note
+    from kvserve.workers import redis_client
+    from tests.e2e.stack import OwnRedis
+    from tests.inference.test_retry import paused_and_killed
+
+    server = OwnRedis(tmp_path).start()
+    try:
+        settings.REDIS_URL = server.url
+        redis_client(server.url).client_setname("kvstest-web")  # the client's one pooled connection, named
+        out = paused_and_killed(server, lambda: queued_note("r1", [1, 2, 3]), "kvstest-web", cmd="set")
+        assert out == {"value": None}
+        client = redis.Redis.from_url(server.url)
+        assert client.get(queued_key("r1")) == b"[1, 2, 3]" and client.ttl(queued_key("r1")) > 0
+    finally:
+        redis_client.cache_clear()
+        server.stop()

@@ -17,3 +17,30 @@ def test_holdings_follow_grants_extensions_and_frees_in_every_pool(redis_client,
     b.unregister()
     assert owners_held_tokens(redis_client, ["r1", "r2"], ledger_prefix) == {"r1": 4, "r2": 0}
     assert owners_held_tokens(redis_client, [], ledger_prefix) == {}
+
+
+
+def test_holdings_are_read_again_when_a_connection_drops_mid_read(redis_client, ledger_prefix):
+    """Admission reads them for every tenant with requests in flight: a connection dropped under the read (as
+    tests/e2e/test_redis_kills.py does every second) is a repeat, not a refused request. The drop is injected
+    into a real client: its pools listing ran, its reply is lost with the connection."""
+    import redis
+
+    from tests.conftest import TEST_REDIS_URL
+
+    class DropsOneReply(redis.Redis):
+        dropped = 0
+
+        def smembers(self, name):
+            reply = super().smembers(name)
+            if not self.dropped:
+                self.dropped += 1
+                self.connection_pool.disconnect()
+                raise redis.ConnectionError("Connection closed by server (injected)")
+            return reply
+
+    a = RedisLedger.register(redis_client, "pa", "prefill", 16, 4, prefix=ledger_prefix)
+    a.allocate("r1", 2)
+    reader = DropsOneReply.from_url(TEST_REDIS_URL)
+    assert owners_held_tokens(reader, ["r1", "r2"], ledger_prefix) == {"r1": 8, "r2": 0}
+    assert reader.dropped == 1

@@ -101,13 +101,13 @@ def own_redis(tmp_path):
     server.stop()
 
 
-def paused_and_killed(server: OwnRedis, call, name: str) -> dict:
-    """Runs call() while writes are paused, kills its connection while the script waits, then resumes."""
+def paused_and_killed(server: OwnRedis, call, name: str, cmd: str = "evalsha") -> dict:
+    """Runs call() while writes are paused, kills its connection while its write (`cmd`) waits, then resumes."""
     admin = redis.Redis.from_url(server.url)
     admin.execute_command("CLIENT", "PAUSE", 5000, "WRITE")
     try:
         t, out = in_thread(call)
-        kill(admin, name, "evalsha")
+        kill(admin, name, cmd)
     finally:
         admin.execute_command("CLIENT", "UNPAUSE")
     t.join(10)
