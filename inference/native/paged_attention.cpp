@@ -12,10 +12,10 @@
 // threads or the batch, so a sequence's numbers are the same alone, in any batch and at any thread count.
 //
 // Three builds of the loop live in one library, picked at run time (`__builtin_cpu_supports`, or
-// KVSERVE_ATTN_ISA=avx512|avx2|generic read at load, or the set_isa op): `avx512` (blocks of 16
-// tokens, online softmax, the query heads that share a KV head together, see attend_item_avx512), `avx2` (the same scheme in blocks of 8, attend_item_avx2; head
-// dims it does not take run the two-pass loop compiled for x86-64-v3) and `generic` (the two-pass loop, baseline
-// x86-64). No -march flag is used, so the .so runs on any x86-64 CPU.
+// KVSERVE_ATTN_ISA=avx512|avx2|generic read at load, or the set_isa op): `avx512` (blocks of 16 tokens, online
+// softmax, the query heads that share a KV head together, see attend_item_avx512), `avx2` (the same scheme in blocks
+// of 8, attend_item_avx2; head dims it does not take run the two-pass loop compiled for x86-64-v3) and `generic` (the
+// two-pass loop, baseline x86-64). No -march flag is used, so the .so runs on any x86-64 CPU.
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
@@ -591,9 +591,10 @@ KVS_INLINE void attend_item_avx512(const float* q, float* out, const KV* pool, c
   qbuf.resize(static_cast<size_t>(H * 16 * NC + 16));
   float* qs = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(qbuf.data()) + 63) & ~uintptr_t{63});
   for (int64_t h = 0; h < H; ++h)
-    for (int c = 0; c < NC; ++c)
-      _mm512_store_ps(qs + (h * NC + c) * 16, _mm512_mul_ps(load16<kFull>(q + h * D + 16 * c, c == NC - 1 ? tail : 0xFFFF),
-                                                            _mm512_set1_ps(scale)));
+    for (int c = 0; c < NC; ++c) {
+      const __m512 qc = load16<kFull>(q + h * D + 16 * c, c == NC - 1 ? tail : 0xFFFF);
+      _mm512_store_ps(qs + (h * NC + c) * 16, _mm512_mul_ps(qc, _mm512_set1_ps(scale)));
+    }
   RowBlocks<KV, 16> blk(pool, table, tb, te, page_stride, row_len, ps, v_offset);
   const KV* const* rows = blk.rows;
   const int64_t steps = KVH * kvs::cdiv(G, kHeadGroup) * 8;
