@@ -336,9 +336,35 @@ def int4_max_rows() -> int:
 
 
 def _w4a8_dense(device: torch.device, fp32_kernel: str) -> Gemm:
-    """What w4a8 runs above its rows: bf16 where oneDNN prepacks it (AVX-512 / AMX), else fp32 (bf16 unpacked is
-    slower)."""
-    return gemm_for("bf16" if onednn_bf16_prepacks() else "fp32", device, fp32_kernel)
+    """What w4a8 runs above its rows (w4a8_dense_mode)."""
+    return gemm_for(w4a8_dense_mode(fp32_kernel), device, fp32_kernel)
+
+
+DENSE_TIMING_ROWS = (64, 256)  # the rows w4a8's dense fallback serves: a batch past the codes' rows, a prefill chunk
+
+
+@lru_cache(maxsize=2)
+def w4a8_dense_mode(fp32_kernel: str) -> str:
+    """What w4a8 runs above its rows: "bf16" where oneDNN prepacks bf16 weights and bf16 measures faster than fp32
+    here (a [1536, 576] product at DENSE_TIMING_ROWS rows, summed; once per process), else "fp32" (bf16 unpacked is
+    slower everywhere measured). Prepacking alone does not tell: oneDNN prepacks bf16 on any AVX-512 CPU and, without
+    bf16 instructions (an AVX-512 Xeon before Cooper Lake; here ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI), runs it at ~5x
+    fp32's time."""
+    if not onednn_bf16_prepacks():
+        return "fp32"
+    cpu = torch.device("cpu")
+    bf16, fp32 = gemm_for("bf16", cpu, fp32_kernel), gemm_for("fp32", cpu, fp32_kernel)
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(1536, 576, generator=gen) / 24
+    xs = [torch.randn(rows, 576, generator=gen) for rows in DENSE_TIMING_ROWS]
+    with torch.inference_mode():
+        wb, wf = bf16.pack(w), fp32.pack(w)
+        bf16_ms, fp32_ms = _fastest_ms([lambda: [bf16.linear(x, wb) for x in xs],
+                                        lambda: [fp32.linear(x, wf) for x in xs]], 5)
+    mode = "bf16" if bf16_ms < fp32_ms else "fp32"
+    log.info("w4a8: %s above the codes' rows (%s %.2f ms, %s %.2f ms: a [1536, 576] weight at %s rows)", mode,
+             bf16.kernel, bf16_ms, fp32.kernel, fp32_ms, " and ".join(map(str, DENSE_TIMING_ROWS)))
+    return mode
 
 
 @lru_cache(maxsize=16)

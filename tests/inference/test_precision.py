@@ -2,6 +2,9 @@
 fails wrong maths, `auto` drops a candidate that raises or computes wrong, and the precision is part of the
 model identity a handoff and a registration carry."""
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -11,7 +14,7 @@ from inference.precision import (CONTRACTS, GROUPED, MODES, REDUCED_KV, Agreemen
                                  choose, compare_logits, gemm_for, group8_quantize, group_quantize, int4_max_rows,
                                  kv_dtype_for, model_shapes,
                                  onednn_bf16_prepacks, precision_contract_holds, precision_fingerprint,
-                                 resolve_precision, w4a8_max_rows)
+                                 resolve_precision, w4a8_dense_mode, w4a8_max_rows)
 from tests.inference.helpers import greedy, make_engine
 
 pytestmark = pytest.mark.timeout(900)
@@ -176,7 +179,7 @@ def test_w4a8_multiplies_the_files_blocks_up_to_its_rows_and_dense_above(monkeyp
     w4a8_max_rows.cache_clear()
     try:
         gemm = gemm_for("w4a8", torch.device("cpu"), "onednn")
-        dense = gemm_for("bf16" if onednn_bf16_prepacks() else "fp32", torch.device("cpu"), "onednn")
+        dense = gemm_for(w4a8_dense_mode("onednn"), torch.device("cpu"), "onednn")
         assert gemm.kernel.endswith("+" + dense.kernel)
         gen = torch.Generator().manual_seed(0)
         for quant in (group_quantize(torch.randn(96, 64, generator=gen)), group8_quantize(torch.randn(96, 64, generator=gen))):
@@ -192,6 +195,23 @@ def test_w4a8_multiplies_the_files_blocks_up_to_its_rows_and_dense_above(monkeyp
                 assert (gemm.linear(x, packed) - x @ w.T).norm() / (x @ w.T).norm() < CONTRACTS["w4a8"].max_kernel_rel_err
     finally:
         w4a8_max_rows.cache_clear()
+
+
+def test_w4a8s_dense_fallback_is_fp32_where_onednn_prepacks_bf16_without_bf16_instructions():
+    """An AVX-512 CPU without bf16 instructions (a Cascade Lake Xeon: here oneDNN capped to AVX512_CORE_VNNI, in a
+    process of its own) still has oneDNN prepack bf16 weights, and runs them at ~5x fp32's time: w4a8's fallback
+    above its rows (a prefill chunk) is the faster, fp32. Where oneDNN does not prepack bf16 it is fp32 untimed."""
+    flags = open("/proc/cpuinfo").read().split()
+    if "avx512f" not in flags:
+        pytest.skip("no AVX-512: oneDNN prepacks no bf16 under any cap, so there is no bf16 to refuse")
+    code = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout); "
+            "from inference.precision import onednn_bf16_prepacks, w4a8_dense_mode; "
+            "print('result', onednn_bf16_prepacks(), w4a8_dense_mode('onednn'))")
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI", "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "result True fp32" in out.stdout, out.stdout  # prepacked, and refused as slower
+    assert "w4a8: fp32 above the codes' rows (onednn-bf16" in out.stdout  # the operator's log line says why
 
 
 @pytest.mark.parametrize("mode", GROUPED)
