@@ -340,13 +340,14 @@ def _w4a8_dense(device: torch.device, fp32_kernel: str) -> Gemm:
     return gemm_for(w4a8_dense_mode(fp32_kernel), device, fp32_kernel)
 
 
+TIMING_SHAPE = (1536, 576)  # [N, K] of the start-up timings' weight: SmolLM2-135M's gate (or up) projection
 DENSE_TIMING_ROWS = (64, 256)  # the rows w4a8's dense fallback serves: a batch past the codes' rows, a prefill chunk
 
 
 @lru_cache(maxsize=2)
 def w4a8_dense_mode(fp32_kernel: str) -> str:
     """What w4a8 runs above its rows: "bf16" where oneDNN prepacks bf16 weights and bf16 measures faster than fp32
-    here (a [1536, 576] product at DENSE_TIMING_ROWS rows, summed; once per process), else "fp32" (bf16 unpacked is
+    here (a TIMING_SHAPE product at DENSE_TIMING_ROWS rows, summed; once per process), else "fp32" (bf16 unpacked is
     slower everywhere measured). Prepacking alone does not tell: oneDNN prepacks bf16 on any AVX-512 CPU and, without
     bf16 instructions (an AVX-512 Xeon before Cooper Lake; here ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI), runs it at ~5x
     fp32's time."""
@@ -355,15 +356,16 @@ def w4a8_dense_mode(fp32_kernel: str) -> str:
     cpu = torch.device("cpu")
     bf16, fp32 = gemm_for("bf16", cpu, fp32_kernel), gemm_for("fp32", cpu, fp32_kernel)
     gen = torch.Generator().manual_seed(0)
-    w = torch.randn(1536, 576, generator=gen) / 24
-    xs = [torch.randn(rows, 576, generator=gen) for rows in DENSE_TIMING_ROWS]
+    n, k = TIMING_SHAPE
+    w = torch.randn(n, k, generator=gen) / k ** 0.5
+    xs = [torch.randn(rows, k, generator=gen) for rows in DENSE_TIMING_ROWS]
     with torch.inference_mode():
         wb, wf = bf16.pack(w), fp32.pack(w)
         bf16_ms, fp32_ms = _fastest_ms([lambda: [bf16.linear(x, wb) for x in xs],
                                         lambda: [fp32.linear(x, wf) for x in xs]], 5)
     mode = "bf16" if bf16_ms < fp32_ms else "fp32"
-    log.info("w4a8: %s above the codes' rows (%s %.2f ms, %s %.2f ms: a [1536, 576] weight at %s rows)", mode,
-             bf16.kernel, bf16_ms, fp32.kernel, fp32_ms, " and ".join(map(str, DENSE_TIMING_ROWS)))
+    log.info("w4a8: %s above the codes' rows (%s %.2f ms, %s %.2f ms: a %s weight at %s rows)", mode, bf16.kernel,
+             bf16_ms, fp32.kernel, fp32_ms, list(TIMING_SHAPE), " and ".join(map(str, DENSE_TIMING_ROWS)))
     return mode
 
 
@@ -399,7 +401,7 @@ CLEAR_LOSS = 1.25  # codes / dense time past which a rung is lost beyond a share
 TIMING_BYTES = 8 << 20  # the row ladder's working set of bf16 weights: past a core's L2, as a model's layers are
 
 
-def _codes_max_rows(linear, pack_codes, dense_linear, shape: tuple[int, int] = (1536, 576), top: int = 64) -> int:
+def _codes_max_rows(linear, pack_codes, dense_linear, shape: tuple[int, int] = TIMING_SHAPE, top: int = 64) -> int:
     """The most rows, one of 1, 4, 16, 32, 64 ... `top`, up to which `linear` over a `shape` weight packed by
     `pack_codes` (codes at any rows) is used rather than `dense_linear` over its dense copy; 0 where the codes lose
     even at one row, and UNBOUNDED_ROWS where they take every rung up to `top`. Each rung is timed (codes / dense);
