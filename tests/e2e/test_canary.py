@@ -285,7 +285,8 @@ def test_a_saturated_decode_worker_is_judged_through_its_probe_lane_and_never_qu
         # reading the use again after it proves nothing: a stream may end or be preempted right after)
         deadline = time.monotonic() + 300
         while not (decoding(s) == 2 and decode_pool_use(s) >= 0.8):
-            assert time.monotonic() < deadline and not any(f.done() for f in streams), s.tail("decode")
+            early = [f.result() for f in streams if f.done()]  # a stream that ended early: status, finish, error
+            assert time.monotonic() < deadline and not early, (early, s.tail("decode"))
             time.sleep(0.5)
         sampler = threading.Thread(target=sample, daemon=True)
         began = time.monotonic()
