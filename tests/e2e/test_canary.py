@@ -281,13 +281,17 @@ def test_a_saturated_decode_worker_is_judged_through_its_probe_lane_and_never_qu
         # after a few tokens (CI: one decode task done in 1.2 s) never let the pool fill
         streams = [pool.submit(stream_chat, s, f"Story {i}. " + "the sea is wide " * 68, 1000, ignore_eos=True)
                    for i in range(4)]
-        # the probes start once both streams hold the pool near full (the loop's deadline fails the test otherwise;
-        # reading the use again after it proves nothing: a stream may end or be preempted right after)
+        # the probes start once two streams hold the pool near full (the loop's deadline fails the test otherwise;
+        # reading the use again after it proves nothing: a stream may end or be preempted right after). Two prompts
+        # (931 tokens, 59 pages each) fill 0.91 of it, and grow into the probe reserve within ~80 steps, when the
+        # younger is preempted; the elder alone is above 0.8 again for its last ~270 tokens. On a fast CPU (CI: 1000
+        # tokens in 1.4 s) those last a tenth and a third of a second: so the wait polls often, and a stream that
+        # ended meanwhile leaves the next queued one its turn
         deadline = time.monotonic() + 300
         while not (decoding(s) == 2 and decode_pool_use(s) >= 0.8):
-            early = [f.result() for f in streams if f.done()]  # a stream that ended early: status, finish, error
-            assert time.monotonic() < deadline and not early, (early, s.tail("decode"))
-            time.sleep(0.5)
+            done = [f.result() for f in streams if f.done()]  # status, finish reason, error of each that ended
+            assert time.monotonic() < deadline and len(streams) - len(done) >= 2, (done, s.tail("decode"))
+            time.sleep(0.02)
         sampler = threading.Thread(target=sample, daemon=True)
         began = time.monotonic()
         sampler.start()
