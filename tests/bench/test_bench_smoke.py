@@ -62,3 +62,16 @@ def test_argmax_quick_times_torchs_beside_the_native_one_and_ends_with_one_json_
     assert result["bench"] == "argmax" and result["vocab"] > 1000 and isinstance(result["cpu_flags"], list)
     for key in ("torch_us_rows1", "native_us_rows1", "ratio_rows4"):
         assert isinstance(result[key], (int, float)) and result[key] > 0, (key, result[key])
+
+
+def test_engine_quick_without_hf_ends_with_one_json_line_and_null_ratios():
+    proc = subprocess.run([sys.executable, "-m", "bench.engine", "--quick", "--no-hf", "--precision", "fp32"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in ("kvserve_decode_tok_s_c1", "kvserve_decode_tok_s_c32", "kvserve_prefill_tok_s_500"):
+        assert isinstance(result[key], (int, float)) and result[key] > 0, (key, result[key])
+    # nothing to compare with: every ratio and every target's verdict is null, not a crash and not a false "met"
+    assert result["ratio_decode_c32"] is None and result["ratio_prefill"] is None and result["hf_decode_tok_s_b1"] is None
+    assert result["targets_met"] == dict.fromkeys(("ratio_decode_c32", "ratio_decode_c1", "ratio_prefill"))
+    assert result["precision"] == "fp32"
