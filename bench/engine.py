@@ -243,7 +243,7 @@ def main(argv=None) -> int:
         runs={k: [round(x, 2) for x in v] for k, v in runs.items()},
         precision=engine.precision, precision_choice=engine.precision_choice.line(), kv_dtype=engine.kv_dtype,
     )
-    # null where there is no ratio (--no-hf): not met is not known
+    # null where there is no ratio to judge (--no-hf), rather than a verdict either way
     result["targets_met"] = {k: None if result[k] is None else result[k] >= v for k, v in TARGETS.items()}
     for m, e in others.items():
         result.update({f"kvserve_decode_tok_s_c32_{m}": med[f"kv_c32_{m}"], f"kvserve_decode_tok_s_c1_{m}": med[f"kv_c1_{m}"],

@@ -5,6 +5,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from inference.precision import (CONTRACTS, GROUPED, MODES, REDUCED_KV, Agreemen
 from tests.inference.helpers import greedy, make_engine
 
 pytestmark = pytest.mark.timeout(900)
+ROOT = Path(__file__).resolve().parents[2]
 
 PROMPTS = ["What is the capital of France?", "Write one sentence about the ocean.", "Name three colours.",
            "Translate 'good morning' into Spanish.", "What is 12 times 7?", "Give me a haiku about rain.",
@@ -207,8 +209,8 @@ def test_w4a8s_dense_fallback_is_fp32_where_onednn_prepacks_bf16_without_bf16_in
     code = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout); "
             "from inference.precision import onednn_bf16_prepacks, w4a8_dense_mode; "
             "print('result', onednn_bf16_prepacks(), w4a8_dense_mode('onednn'))")
-    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI", "PYTHONPATH": os.getcwd()}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "result True fp32" in out.stdout, out.stdout  # prepacked, and refused as slower
     assert "w4a8: fp32 above the codes' rows (onednn-bf16" in out.stdout  # the operator's log line says why
