@@ -1,6 +1,6 @@
 """The paged-attention kernel per decode step: its builds (AVX2, AVX-512) and its pools (fp32, bf16) side by side.
 
-    python -m bench.attention [--seqs 32] [--context 512] [--repeats 7] [--kv-dtypes float32,bfloat16]
+    python -m bench.attention [--seqs 32] [--context 512] [--repeats 7] [--kv-dtypes float32,bfloat16,int8]
                               [--precision w4a8] [--no-step] [--quick] [--threads N]
 
 Kernel: a pool shaped like the model (layers, heads, kv heads, head_dim from its config) in each KV dtype, `--seqs`
@@ -19,7 +19,7 @@ import torch
 
 from bench.common import chat_prompts, cpu_flags, emit_json, log, median, print_table
 from inference import native
-from inference.kv_cache import PagePool, cdiv
+from inference.kv_cache import PagePool, cdiv, pool_rows
 from inference.threads import threads_set
 
 PAGE = 16
@@ -34,7 +34,9 @@ def isas() -> list[str]:
 def kernel_case(layers, h, kvh, d, seqs, context, seed=0, dtype=torch.float32):
     pages_per = cdiv(context, PAGE)
     pool = PagePool(seqs * pages_per + 8, PAGE, layers, kvh, d, dtype=dtype)
-    pool.data.normal_(generator=torch.Generator().manual_seed(seed))
+    gen = torch.Generator().manual_seed(seed)
+    for page in range(pool.num_pages):  # normal values, as the pool keeps them (an int8 pool: quantized rows)
+        pool.data[page] = pool_rows(torch.randn(pool.data.shape[1:-1] + (d,), generator=gen), dtype)
     ids = list(range(pool.num_pages))
     random.Random(seed).shuffle(ids)
     tables = torch.tensor([ids[i * pages_per:(i + 1) * pages_per] for i in range(seqs)], dtype=torch.int32)
@@ -90,7 +92,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seqs", type=int, default=32)
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--kv-dtypes", default="float32,bfloat16", help="pools to time, comma-separated")
+    parser.add_argument("--kv-dtypes", default="float32,bfloat16,int8", help="pools to time, comma-separated")
     parser.add_argument("--precision", default="w4a8", help="the engine's matmul precision for the step figures")
     parser.add_argument("--no-step", action="store_true", help="kernel only (no model, no engine step)")
     parser.add_argument("--quick", action="store_true", help="8 sequences x 128 tokens, 3 rounds")
@@ -113,8 +115,8 @@ def main(argv=None) -> int:
         shape = dict(layers=c.num_layers, h=c.num_heads, kvh=c.num_kv_heads, d=c.head_dim)
     names = isas()
     cases = {d: kernel_case(**shape, seqs=args.seqs, context=args.context, dtype=getattr(torch, d)) for d in dtypes}
-    kv_bytes = {d: 2 * args.seqs * args.context * shape["kvh"] * shape["d"] * shape["layers"] *
-                cases[d][0].data.element_size() for d in dtypes}
+    kv_bytes = {d: 2 * args.seqs * args.context * shape["kvh"] * shape["layers"] * cases[d][0].data.shape[-1] *
+                cases[d][0].data.element_size() for d in dtypes}  # an int8 row: its codes and its scale
     combos = [(n, d) for d in dtypes for n in names]
     log(f"bench.attention: {args.seqs} x {args.context} tokens, {shape}, ISAs {names}, pools {dtypes}, "
         f"{torch.get_num_threads()} threads, flags {' '.join(cpu_flags())}")
@@ -155,6 +157,14 @@ def main(argv=None) -> int:
             print(f"float32 -> bfloat16 pool: {args.precision} decode step {out['step_speedup_bf16_pool']:.2f}x, "
                   f"kernel {kernel[(best, 'float32')] / step['float32']:.0%} -> "
                   f"{kernel[(best, 'bfloat16')] / step['bfloat16']:.0%} of it")
+    if {"bfloat16", "int8"} <= set(dtypes):
+        out["speedup_int8_pool"] = kernel[(best, "bfloat16")] / kernel[(best, "int8")]
+        print(f"bfloat16 -> int8 pool: kernel {out['speedup_int8_pool']:.2f}x faster per decode step ({best})")
+        if step:
+            out["step_speedup_int8_pool"] = step["bfloat16"] / step["int8"]
+            print(f"bfloat16 -> int8 pool: {args.precision} decode step {out['step_speedup_int8_pool']:.2f}x, "
+                  f"kernel {kernel[(best, 'bfloat16')] / step['bfloat16']:.0%} -> "
+                  f"{kernel[(best, 'int8')] / step['int8']:.0%} of it")
     emit_json(out)
     return 0
 

@@ -17,7 +17,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from inference.kv_cache import cdiv
+from inference.kv_cache import cdiv, dequantize_rows
 from inference.settings import env_choice
 
 log = logging.getLogger(__name__)
@@ -86,13 +86,15 @@ def _grouped_sdpa(q, keys, values, mask):
 
 def _gather(kv, layer, tables, which, dtype):
     """tables [..., P] -> [..., KVH, P * page_size, D] in `dtype` (a copy of exactly those pages; a bf16 pool's
-    values widen exactly to an fp32 model's).
+    values widen exactly to an fp32 model's, an int8 pool's rows are dequantized as the native kernel reads them).
 
     index_select copies each page's [ps, KVH, D] block (contiguous in the pool) as one slice;
     advanced indexing (`src[tables]`) computed an offset per element and was ~2.5x slower."""
-    src = kv.data[:, layer, which]  # [pages, ps, KVH, D]
-    pages = src.index_select(0, tables.reshape(-1))  # [n, ps, KVH, D], contiguous
-    ps, kvh, d = src.shape[1:]
+    src = kv.data[:, layer, which]  # [pages, ps, KVH, row]
+    pages = src.index_select(0, tables.reshape(-1))  # [n, ps, KVH, row], contiguous
+    if pages.dtype == torch.int8:
+        pages = dequantize_rows(pages)
+    ps, kvh, d = pages.shape[1:]
     flat = pages.to(dtype).view(*tables.shape[:-1], tables.shape[-1] * ps, kvh, d)
     return flat.transpose(-3, -2)
 

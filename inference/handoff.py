@@ -16,7 +16,7 @@ import torch
 from inference.kv_cache import cdiv, page_checksums
 
 # the only dtypes a transported blob may carry (decoded with a fixed table, never getattr(torch, <input>))
-KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8}
 
 
 class Verdict(str, enum.Enum):

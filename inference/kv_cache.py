@@ -1,8 +1,11 @@
 """The KV page pool: one preallocated, pre-faulted tensor in which a page is contiguous across
-layers, K and V, so that scrubbing a page is one indexed fill. Its dtype is the model's, or bf16 under a
-reduced precision (inference.precision.kv_dtype_for): export, import, checksums and scrub work on its bytes.
+layers, K and V, so that scrubbing a page is one indexed fill. Its dtype is the model's, bf16 under a
+reduced precision, or int8 when asked for (inference.precision.kv_dtype_for): export, import, checksums and scrub
+work on its bytes.
 
-Layout: data[page, layer, k_or_v, offset, kv_head, head_dim]. Row `num_pages` is the null page:
+Layout: data[page, layer, k_or_v, offset, kv_head, row]. A row is head_dim values; in an int8 pool head_dim codes
+and then their fp32 scale in 4 bytes (value = code x scale, scale = max |x| / 127 of the row: quantize_rows), so
+a page still holds everything its tokens need and all-zero bytes are still zeros. Row `num_pages` is the null page:
 never allocated, always zero, used to pad block tables.
 """
 import hashlib
@@ -23,14 +26,15 @@ class PagePool:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.null_page = num_pages
-        self.data = torch.empty(num_pages + 1, num_layers, 2, page_size, num_kv_heads, head_dim,
+        self.data = torch.empty(num_pages + 1, num_layers, 2, page_size, num_kv_heads, row_width(head_dim, dtype),
                                 dtype=dtype, device=device)
         self.data.fill_(0)  # touch every page now: first-touch faults would otherwise land on the hot path
         self.num_scrubbed = 0  # pages zeroed since start (a metric: kvserve_scrubbed_pages_total)
 
     @staticmethod
     def page_bytes(page_size, num_layers, num_kv_heads, head_dim, dtype) -> int:
-        return page_size * num_layers * 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        return page_size * num_layers * 2 * num_kv_heads * row_width(head_dim, dtype) * \
+            torch.empty((), dtype=dtype).element_size()
 
     @property
     def capacity_tokens(self) -> int:
@@ -41,9 +45,10 @@ class PagePool:
         return self.data[0].numel() * self.data.element_size()
 
     def write(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """This step's K and V rows into their slots (rounded to nearest even into a bf16 pool)."""
-        self.data[pages, layer, 0, offsets] = k.to(self.data.dtype)
-        self.data[pages, layer, 1, offsets] = v.to(self.data.dtype)
+        """This step's K and V rows into their slots (rounded to nearest even into a bf16 pool, quantized per row into
+        an int8 pool)."""
+        self.data[pages, layer, 0, offsets] = pool_rows(k, self.data.dtype)
+        self.data[pages, layer, 1, offsets] = pool_rows(v, self.data.dtype)
 
     def scrub(self, pages) -> None:
         if len(pages):
@@ -67,3 +72,33 @@ def page_checksums(blob: torch.Tensor) -> list[str]:
     """sha256 per page of an exported page blob (first 16 hex digits)."""
     raw = blob.contiguous().view(torch.uint8).reshape(blob.shape[0], -1).numpy()
     return [hashlib.sha256(row.tobytes()).hexdigest()[:16] for row in raw]
+
+
+SCALE_BYTES = 4  # an int8 row's fp32 scale, after its codes
+
+
+def row_width(head_dim: int, dtype: torch.dtype) -> int:
+    """Elements in a pool row: head_dim, and an int8 row's scale bytes."""
+    return head_dim + (SCALE_BYTES if dtype == torch.int8 else 0)
+
+
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """fp32 rows [..., head_dim] -> int8 rows [..., head_dim + 4]: codes round(x / scale) (nearest even) with
+    scale = max |x| / 127 (fp32), then the scale's bytes; a row of zeros is all zero bytes. The native rope_store
+    (inference/native/fused.cpp) writes the same bytes."""
+    x = x.float()
+    scale = x.abs().amax(-1, keepdim=True) / 127
+    codes = torch.where(scale > 0, torch.round(x / torch.where(scale > 0, scale, 1)), 0).clamp(-127, 127)
+    return torch.cat([codes.to(torch.int8), scale.contiguous().view(torch.int8)], -1)
+
+
+def dequantize_rows(rows: torch.Tensor) -> torch.Tensor:
+    """int8 rows [..., head_dim + 4] -> fp32 values [..., head_dim]: code x scale, as the native kernel reads them."""
+    d = rows.shape[-1] - SCALE_BYTES
+    scale = rows[..., d:].contiguous().view(torch.float32)
+    return rows[..., :d].float() * scale
+
+
+def pool_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """K or V rows as a pool of `dtype` keeps them: cast, or quantized per row into an int8 pool."""
+    return quantize_rows(x) if dtype == torch.int8 else x.to(dtype)

@@ -127,7 +127,7 @@ class Llama:
 
     def _native_step(self, rows: int, batch: AttentionBatch) -> bool:
         """Whether this step runs layer.cpp: every row reads the pool (no fresh prompt) and no more rows than the
-        codes take. (w4a8 needs an fp32 model, so the pool is the fp32 or bf16 one rope_store writes; it checks.)"""
+        codes take. (w4a8 needs an fp32 model, so the pool is an fp32, bf16 or int8 one rope_store writes; it checks.)"""
         return self._native_layers is not None and not batch.fresh and batch.paged is not None \
             and rows <= self._native_rows
 
@@ -156,7 +156,8 @@ class Llama:
             native.decode_layers(x, self._native_layers, cos2, sin2, kv.data, batch.slot_pages, batch.slot_offsets,
                                  batch.paged, scale, c.num_heads, c.num_kv_heads, eps)
             return x
-        fused_rope = self._fused_norm and kv.data.dtype in (torch.float32, torch.bfloat16) and kv.data.is_contiguous()
+        fused_rope = self._fused_norm and kv.data.dtype in (torch.float32, torch.bfloat16, torch.int8) and \
+            kv.data.is_contiguous()
         for layer_idx, layer in enumerate(self.layers):
             h = self._rms(x, layer["attn_norm"])
             qkv = self._linear(h, layer["qkv"])

@@ -580,19 +580,22 @@ def precision_scope(model_fingerprint: str, device: torch.device) -> str:
 
 
 def kv_dtype_for(requested: str, mode: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The KV pool's element type for KVSERVE_KV_DTYPE=`requested` (auto | float32 | bfloat16) under `mode`. auto: the
+    """The KV pool's element type for KVSERVE_KV_DTYPE=`requested` (auto | float32 | bfloat16 | int8) under
+    `mode`. auto: the
     model's own dtype, except on the CPU in the modes whose matmuls already take reduced activations (REDUCED_KV),
     whose pool is bf16: half the bytes per token to hold and, at many sequences, to read each step; the attention
     math stays fp32 (its contract is the mode's, measured through the pool: tests/inference/test_precision.py).
     fp32 keeps fp32 (Hugging Face's text) and so does fp16w (its contract is 8x tighter than bf16's). Another dtype
     than the model's is for an fp32 model on the CPU only (the native kernel reads either; xformers on CUDA takes
-    queries and pages in one dtype)."""
+    queries and pages in one dtype). int8 is never auto: each row's codes and scale (inference.kv_cache), 0.27 of
+    fp32's bytes per token (1.9x a bf16 pool's tokens in the same memory, 0.53 of its bytes read per step) for a
+    larger error (measured in tests/inference/test_precision.py), the operator's trade to make."""
     if requested == "auto":
         reduced = device.type == "cpu" and model_dtype == torch.float32 and mode in REDUCED_KV
         return torch.bfloat16 if reduced else model_dtype
-    wanted = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(requested)
+    wanted = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}.get(requested)
     if wanted is None:
-        raise ValueError(f"KVSERVE_KV_DTYPE={requested!r}: auto, float32 or bfloat16")
+        raise ValueError(f"KVSERVE_KV_DTYPE={requested!r}: auto, float32, bfloat16 or int8")
     if wanted != model_dtype and not (device.type == "cpu" and model_dtype == torch.float32):
         raise ValueError(f"KVSERVE_KV_DTYPE={requested} with a {str(model_dtype).removeprefix('torch.')} model on "
                          f"{device.type}: a KV dtype other than the model's needs an fp32 model on the CPU; unset it")

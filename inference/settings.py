@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 SCRUB_POLICIES = ("on_free", "on_alloc", "off")
 DTYPES = ("float32", "bfloat16", "float16")
 PRECISIONS = ("fp32", "bf16", "fp16w", "int4w", "w4a8", "auto")  # inference.precision.SETTING_CHOICES
-KV_DTYPES = ("auto", "float32", "bfloat16")  # inference.precision.kv_dtype_for
+KV_DTYPES = ("auto", "float32", "bfloat16", "int8")  # inference.precision.kv_dtype_for
 ROLES = ("prefill", "decode")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 

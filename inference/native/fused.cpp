@@ -59,14 +59,33 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool t
   return out;
 }
 
-// A K or V row into the pool: as is, or rounded to bf16 (nearest even, as Tensor.to(torch.bfloat16))
+// A K or V row of n values into the pool: as is, rounded to bf16 (nearest even, as Tensor.to(torch.bfloat16)), or
+// as int8 codes and their fp32 scale after them (inference.kv_cache.quantize_rows, the same operations: scale =
+// max |x| / 127, code = x / scale rounded to nearest even; a row of zeros is all zero bytes).
 inline void kv_store(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 inline void kv_store(c10::BFloat16* dst, const float* src, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = c10::BFloat16(src[i]);
 }
+inline void kv_store(int8_t* dst, const float* src, int64_t n) {
+  constexpr float kRound = 12582912.f;  // 1.5 x 2^23: adding and taking it away rounds |y| < 2^22 to nearest even
+  float amax = 0.f;
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(src[i]));
+  const float scale = amax / 127.f;
+  if (scale > 0.f) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+      const float y = (src[i] / scale + kRound) - kRound;  // not folded: no -ffast-math
+      dst[i] = static_cast<int8_t>(std::clamp(y, -127.f, 127.f));
+    }
+  } else {
+    std::memset(dst, 0, n);
+  }
+  std::memcpy(dst + n, &scale, sizeof scale);
+}
 
 // RoPE (rotate-half, fp32) of a step's fused q|k|v projection and the K/V write into the page pool, one pass:
-// qkv [T, (H + 2 KVH) * D] fp32; cos, sin [T, D]; pool [P + 1, L, 2, S, KVH, D] fp32 or bf16 (inference/kv_cache.py);
+// qkv [T, (H + 2 KVH) * D] fp32; cos, sin [T, D]; pool [P + 1, L, 2, S, KVH, D] fp32 or bf16, or [.., D + 4] int8
+// (inference/kv_cache.py);
 // pages, offsets [T] int64 (each token's slot, checked by the block manager before the step). Returns q|k
 // rotated, [T, H + KVH, D]; v stays the view of qkv the caller takes.
 at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor pool,
@@ -74,12 +93,17 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
                       int64_t kv_heads) {
   TORCH_CHECK(qkv.device().is_cpu() && qkv.scalar_type() == at::kFloat && qkv.dim() == 2 && qkv.is_contiguous(),
               "rope_store: qkv must be a contiguous fp32 CPU matrix");
-  TORCH_CHECK((pool.scalar_type() == at::kFloat || pool.scalar_type() == at::kBFloat16) && pool.dim() == 6 &&
+  const bool int8 = pool.scalar_type() == at::kChar;
+  TORCH_CHECK((pool.scalar_type() == at::kFloat || pool.scalar_type() == at::kBFloat16 || int8) && pool.dim() == 6 &&
                   pool.is_contiguous(),
-              "rope_store: pool must be the contiguous fp32 or bf16 page pool");
-  const int64_t T = qkv.size(0), D = pool.size(5), half = D / 2, S = pool.size(3), P = pool.size(0);
-  TORCH_CHECK(pool.size(4) == kv_heads && qkv.size(1) == (heads + 2 * kv_heads) * D && D % 2 == 0,
-              "rope_store: qkv [T, ", qkv.size(1), "] does not match ", heads, " + 2 x ", kv_heads, " heads of ", D);
+              "rope_store: pool must be the contiguous fp32, bf16 or int8 page pool");
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && qkv.size(1) % (heads + 2 * kv_heads) == 0, "rope_store: qkv [T, ",
+              qkv.size(1), "] is not ", heads, " + 2 x ", kv_heads, " heads");
+  const int64_t T = qkv.size(0), D = qkv.size(1) / (heads + 2 * kv_heads), half = D / 2, S = pool.size(3);
+  const int64_t P = pool.size(0), Dr = pool.size(5);  // a pool row: head_dim values (int8: then a 4-byte scale)
+  TORCH_CHECK(pool.size(4) == kv_heads && Dr == D + (int8 ? 4 : 0) && D % 2 == 0,
+              "rope_store: qkv [T, ", qkv.size(1), "] does not match ", heads, " + 2 x ", kv_heads, " heads of the "
+              "pool's rows of ", Dr);
   TORCH_CHECK(layer >= 0 && layer < pool.size(1), "rope_store: layer ", layer, " out of range");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
                   sin.is_contiguous() && cos.numel() == T * D && sin.numel() == T * D,
@@ -98,7 +122,7 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   const float* c = cos.data_ptr<float>();
   const float* s = sin.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  const int64_t row = qkv.size(1), kv_stride = S * kv_heads * D;  // K -> V: one [S, KVH, D] block further
+  const int64_t row = qkv.size(1), kv_stride = S * kv_heads * Dr;  // K -> V: one [S, KVH, row] block further
   const int64_t page_stride = pool.stride(0), layer_off = layer * pool.stride(1);
   const int64_t chunks = std::min<int64_t>(kvs::cdiv(T, 8), 8 * kvs::threads());
   auto run = [&](auto* data) {
@@ -109,20 +133,23 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
         const float* x = src + t * row;
         const float* ct = c + t * D;
         const float* st = s + t * D;
-        auto* k_slot = data + pg[t] * page_stride + layer_off + of[t] * kv_heads * D;
+        auto* k_slot = data + pg[t] * page_stride + layer_off + of[t] * kv_heads * Dr;
         for (int64_t h = 0; h < rotated; ++h) {
           const float* xh = x + h * D;
           float* oh = o + (t * rotated + h) * D;
           for (int64_t i = 0; i < half; ++i) oh[i] = xh[i] * ct[i] + (-xh[i + half]) * st[i];
           for (int64_t i = half; i < D; ++i) oh[i] = xh[i] * ct[i] + xh[i - half] * st[i];
-          if (h >= heads) kv_store(k_slot + (h - heads) * D, oh, D);
+          if (h >= heads) kv_store(k_slot + (h - heads) * Dr, oh, D);
         }
-        kv_store(k_slot + kv_stride, x + rotated * D, kv_heads * D);  // v, as projected
+        for (int64_t h = 0; h < kv_heads; ++h)  // v, as projected
+          kv_store(k_slot + kv_stride + h * Dr, x + (rotated + h) * D, D);
       }
     });
   };
   if (pool.scalar_type() == at::kBFloat16)
     run(pool.data_ptr<c10::BFloat16>());
+  else if (int8)
+    run(pool.data_ptr<int8_t>());
   else
     run(pool.data_ptr<float>());
   return out;

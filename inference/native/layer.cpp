@@ -44,10 +44,10 @@ void one_layer(Tensor& x, const Tensor* w, const Tensor& cos, const Tensor& sin,
   static const auto attend = op("kvserve_paged::paged_attention").typed<void(
       const Tensor&, const Tensor&, const Tensor&, int64_t, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
       double)>();
-  const int64_t T = x.size(0), D = pool.size(5);
   Tensor h = rms.call(x, w[0], eps, false);
   Tensor qkv = coded(h, w[1], w[2], w[3]);
   Tensor qk = rope_store.call(qkv, cos, sin, pool, layer, pages, offsets, heads, kv_heads);
+  const int64_t T = x.size(0), D = qk.size(2);
   Tensor q = qk.narrow(1, 0, heads);
   Tensor attn = at::empty({T, heads, D}, x.options());
   attend.call(attn, q, pool, layer, tables, context_lens, query_start, query_len, scale);

@@ -1,7 +1,9 @@
 // Paged attention on the CPU that reads K/V straight from the pool's pages (no gather copy).
 //
-// Pool layout (inference/kv_cache.py): pool[page, layer, k_or_v, offset, kv_head, head_dim], fp32 or bf16 (read
-// as the top half of an fp32: exact; the math is fp32 either way, a bf16 pool reads half the bytes).
+// Pool layout (inference/kv_cache.py): pool[page, layer, k_or_v, offset, kv_head, row], fp32 or bf16 rows of head_dim
+// values (bf16 read as the top half of an fp32: exact), or int8 rows of head_dim codes and then their fp32 scale (4
+// bytes: value = code x scale; the scale is applied to a K row's dot product and to a V row's softmax weight, never
+// per value). The math is fp32 in every case: a bf16 pool reads half an fp32 pool's bytes, an int8 pool ~0.27.
 // Sequence i owns query rows [query_start[i], query_start[i] + query_len[i]) of q/out and its
 // context_lens[i] tokens live in pages tables[i, 0..]. Query j of sequence i attends causally to
 // keys 0 .. context_lens[i] - query_len[i] + j (bottom-right aligned; a decode row sees them all).
@@ -52,8 +54,28 @@ namespace {
 KVS_INLINE void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 
 using bf16_t = uint16_t;  // a bf16 pool's element, raw: the top 16 bits of an fp32
+using i8_t = int8_t;      // an int8 pool's element: a code, or one of the 4 bytes of its row's scale
+
+// Whether a pool's rows carry a scale after their head_dim values, and how many elements that adds to a row
+template <typename KV>
+constexpr bool kScaled = std::is_same<KV, i8_t>::value;
+template <typename KV>
+constexpr int64_t kRowExtra = kScaled<KV> ? static_cast<int64_t>(sizeof(float)) : 0;
+
+// A row's scale (1 for an unscaled pool): the fp32 after its D codes
+template <typename KV>
+KVS_INLINE float row_scale(const KV* row, int64_t D) {
+  if constexpr (kScaled<KV>) {
+    float s;
+    std::memcpy(&s, row + D, sizeof s);
+    return s;
+  } else {
+    return 1.f;
+  }
+}
 
 KVS_INLINE float kv_load(const float* p, int64_t i) { return p[i]; }
+KVS_INLINE float kv_load(const i8_t* p, int64_t i) { return static_cast<float>(p[i]); }
 KVS_INLINE float kv_load(const bf16_t* p, int64_t i) {
   const uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
   float f;
@@ -94,7 +116,8 @@ KVS_INLINE void attend_item(const float* q, float* out, const KV* pool, const in
                             int64_t H, int64_t KVH, int64_t d_runtime, int64_t page_stride, int64_t v_offset,
                             int64_t ps, float scale, std::vector<float>& scores, float* state) {
   const int64_t D = DimT::value > 0 ? DimT::value : d_runtime;
-  const int64_t G = H / KVH, row_len = KVH * D, n = te - tb, first_page = tb / ps, end_page = kvs::cdiv(te, ps);
+  const int64_t Dr = D + kRowExtra<KV>;
+  const int64_t G = H / KVH, row_len = KVH * Dr, n = te - tb, first_page = tb / ps, end_page = kvs::cdiv(te, ps);
   scores.resize(static_cast<size_t>(H) * n);
   float* s = scores.data();
   float* acc = state ? state : out;
@@ -137,7 +160,8 @@ KVS_INLINE void attend_item(const float* q, float* out, const KV* pool, const in
         }
         const KV* rowp = page + o * row_len;
         for (int64_t kvh = 0; kvh < KVH; ++kvh) {
-          const KV* x = rowp + kvh * D;
+          const KV* x = rowp + kvh * Dr;
+          const float xs = row_scale(x, D);
           for (int64_t g = 0; g < G; ++g) {
             const int64_t h = kvh * G + g;
             if (pass == 0) {
@@ -145,9 +169,9 @@ KVS_INLINE void attend_item(const float* q, float* out, const KV* pool, const in
               float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
               for (int64_t d = 0; d < D; ++d) dot += qh[d] * kv_load(x, d);
-              s[h * n + t0 + o] = dot * scale;
+              s[h * n + t0 + o] = dot * xs * scale;
             } else {
-              const float p = s[h * n + t0 + o];
+              const float p = s[h * n + t0 + o] * xs;
               float* oh = acc + h * D;
 #pragma omp simd
               for (int64_t d = 0; d < D; ++d) oh[d] += p * kv_load(x, d);
@@ -342,6 +366,9 @@ KVS_INLINE __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 KVS_INLINE __m256 load8(const bf16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
+KVS_INLINE __m256 load8(const i8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 
 // Two tokens' 8-lane partial sums -> per 128-bit half [a0+a2, b0+b2, a1+a3, b1+b3] (reduce8's first level)
 KVS_INLINE __m256 sum_pairs(__m256 a, __m256 b) {
@@ -376,9 +403,9 @@ template <int NC, typename KV>
 KVS_INLINE void attend_item_avx2(const float* q, float* out, const KV* pool, const int32_t* table, int64_t tb,
                                  int64_t te, int64_t H, int64_t KVH, int64_t page_stride, int64_t v_offset, int64_t ps,
                                  float scale, std::vector<float>& state, std::vector<float>& qbuf, float* part) {
-  constexpr int64_t D = 8 * NC;
+  constexpr int64_t D = 8 * NC, Dr = D + kRowExtra<KV>;
   constexpr bool kPairs = std::is_same<KV, bf16_t>::value && NC % 2 == 0;
-  const int64_t G = H / KVH, row_len = KVH * D;
+  const int64_t G = H / KVH, row_len = KVH * Dr;
   HeadStates st(state, H, D);
   float *acc = st.acc, *mx = st.mx, *sm = st.sm;
   qbuf.resize(static_cast<size_t>(H * D));
@@ -403,13 +430,20 @@ KVS_INLINE void attend_item_avx2(const float* q, float* out, const KV* pool, con
     const int m = blk.m;
     const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(m), lane));
     for (int64_t kvh = 0; kvh < KVH; ++kvh) {
+      alignas(32) float ks[8], vs[8];  // the block's K and V row scales (an int8 pool)
+      if constexpr (kScaled<KV>) {
+        for (int t = 0; t < 8; ++t) {
+          ks[t] = row_scale(rows[t] + kvh * Dr, D);
+          vs[t] = row_scale(rows[t] + v_offset + kvh * Dr, D);
+        }
+      }
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = kvh * G + g;
         blk.prefetch_upto(h + 1, H);
         __m256 qv[NC];
         for (int c = 0; c < NC; ++c) qv[c] = _mm256_loadu_ps(qbuf.data() + h * D + 8 * c);
         auto dot = [&](int t) {  // token t's 8 partial sums, in two chains of FMAs
-          const KV* k = rows[t] + kvh * D;
+          const KV* k = rows[t] + kvh * Dr;
           if constexpr (NC == 1) return _mm256_mul_ps(qv[0], load8(k));
           __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps(), lo, hi;
           for (int c = 0; c + 1 < NC; c += 2) {
@@ -423,7 +457,8 @@ KVS_INLINE void attend_item_avx2(const float* q, float* out, const KV* pool, con
         // reduced as they come, so few partial sums are live at once
         const __m256 w0 = sum_quads(sum_pairs(dot(0), dot(1)), sum_pairs(dot(2), dot(3)));
         const __m256 w1 = sum_quads(sum_pairs(dot(4), dot(5)), sum_pairs(dot(6), dot(7)));
-        const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(w0, w1, 0x20), _mm256_permute2f128_ps(w0, w1, 0x31));
+        __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(w0, w1, 0x20), _mm256_permute2f128_ps(w0, w1, 0x31));
+        if constexpr (kScaled<KV>) sums = _mm256_mul_ps(sums, _mm256_load_ps(ks));
         // lanes past the block's end hold token 0's score again: no new max, and their weights are zeroed
         const float m_old = mx[h];
         const float m_new = std::max(m_old, hmax8(sums));
@@ -432,15 +467,15 @@ KVS_INLINE void attend_item_avx2(const float* q, float* out, const KV* pool, con
             ? 0.f : _mm256_cvtss_f32(exp256_nonpositive(_mm256_set1_ps(m_old - m_new)));
         mx[h] = m_new;
         sm[h] = sm[h] * alpha + hsum8(pv);
-        alignas(32) float pw[8];
-        _mm256_store_ps(pw, pv);
+        alignas(32) float pw[8];  // the weights V rows are taken with (times their scales)
+        _mm256_store_ps(pw, kScaled<KV> ? _mm256_mul_ps(pv, _mm256_load_ps(vs)) : pv);
         float* oh = acc + h * D;
         __m256 o[NC];
         const __m256 av = _mm256_set1_ps(alpha);
         for (int c = 0; c < NC; ++c) o[c] = _mm256_mul_ps(_mm256_loadu_ps(oh + 8 * c), av);
         for (int t = 0; t < m; ++t) {
           const __m256 w = _mm256_set1_ps(pw[t]);
-          const KV* v = rows[t] + v_offset + kvh * D;
+          const KV* v = rows[t] + v_offset + kvh * Dr;
           __m256 lo, hi;
           for (int c = 0; c + 1 < NC; c += 2) {
             load_two(v, c, lo, hi);
@@ -491,6 +526,11 @@ KVS_INLINE __m512 load16(const bf16_t* p, __mmask16 m) {
   const __m256i raw = kFull ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)) : _mm256_maskz_loadu_epi16(m, p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+template <bool kFull>
+KVS_INLINE __m512 load16(const i8_t* p, __mmask16 m) {
+  const __m128i raw = kFull ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)) : _mm_maskz_loadu_epi8(m, p);
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
+}
 
 // The transpose-and-add tree that turns 16 vectors of partial sums (a[t]: token t's products, 16 lanes) into one
 // vector of their 16 sums, lane t token t's (15 adds, 30 shuffles per 16 dot products, no per-product reduction),
@@ -523,6 +563,14 @@ KVS_INLINE void attend_heads_avx512(const float* qs, int64_t h0, int64_t kvh, in
   // the heads' scaled queries, read by the FMAs straight from L1: in registers (GG x NC of them) they crowded out
   // the tree's partial sums (a bf16 pool 1.1x slower in cache)
   const float* qh = qs + h0 * 16 * NC;
+  const int64_t Dr = D + kRowExtra<KV>;
+  alignas(64) float ks[16], vs[16];  // the block's K and V row scales (an int8 pool)
+  if constexpr (kScaled<KV>) {
+    for (int t = 0; t < 16; ++t) {
+      ks[t] = row_scale(rows[t] + kvh * Dr, D);
+      vs[t] = row_scale(rows[t] + v_offset + kvh * Dr, D);
+    }
+  }
   __m512 r2[GG][4];
   for (int j = 0; j < 4; ++j) {
     prefetch(j);
@@ -530,7 +578,7 @@ KVS_INLINE void attend_heads_avx512(const float* qs, int64_t h0, int64_t kvh, in
     for (int pr = 0; pr < 2; ++pr) {
       __m512 a[GG][2];
       for (int u = 0; u < 2; ++u) {
-        const KV* k = rows[4 * j + 2 * pr + u] + kvh * D;
+        const KV* k = rows[4 * j + 2 * pr + u] + kvh * Dr;
         __m512 kc[NC];
         for (int c = 0; c < NC; ++c) kc[c] = load16<kFull>(k + 16 * c, c == NC - 1 ? tail : 0xFFFF);
         for (int g = 0; g < GG; ++g) {
@@ -547,7 +595,8 @@ KVS_INLINE void attend_heads_avx512(const float* qs, int64_t h0, int64_t kvh, in
   __m512 o[GG][NC];
   for (int g = 0; g < GG; ++g) {
     const int64_t h = h0 + g;
-    const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, tree16(r2[g]));
+    const __m512 dots = kScaled<KV> ? _mm512_mul_ps(tree16(r2[g]), _mm512_load_ps(ks)) : tree16(r2[g]);
+    const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, dots);
     const float m_old = mx[h];
     const float m_new = std::max(m_old, _mm512_reduce_max_ps(s));
     const __m512 pv = _mm512_maskz_mov_ps(valid, exp512_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
@@ -555,13 +604,13 @@ KVS_INLINE void attend_heads_avx512(const float* qs, int64_t h0, int64_t kvh, in
         ? 0.f : _mm512_cvtss_f32(exp512_nonpositive(_mm512_set1_ps(m_old - m_new)));
     mx[h] = m_new;
     sm[h] = sm[h] * alpha + _mm512_reduce_add_ps(pv);
-    _mm512_store_ps(pw[g], pv);
+    _mm512_store_ps(pw[g], kScaled<KV> ? _mm512_mul_ps(pv, _mm512_load_ps(vs)) : pv);  // V rows' weights
     const __m512 av = _mm512_set1_ps(alpha);
     for (int c = 0; c < NC; ++c) o[g][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + h * 16 * NC + 16 * c), av);
   }
   for (int t = 0; t < m; ++t) {
     if ((t & 3) == 0) prefetch(4 + t / 4);
-    const KV* v = rows[t] + v_offset + kvh * D;
+    const KV* v = rows[t] + v_offset + kvh * Dr;
     __m512 vc[NC];
     for (int c = 0; c < NC; ++c) vc[c] = load16<kFull>(v + 16 * c, c == NC - 1 ? tail : 0xFFFF);
     for (int g = 0; g < GG; ++g) {
@@ -584,7 +633,7 @@ KVS_INLINE void attend_item_avx512(const float* q, float* out, const KV* pool, c
                                    int64_t te, int64_t H, int64_t KVH, int64_t D, int64_t page_stride,
                                    int64_t v_offset, int64_t ps, float scale, std::vector<float>& state,
                                    std::vector<float>& qbuf, float* part) {
-  const int64_t G = H / KVH, row_len = KVH * D;
+  const int64_t G = H / KVH, row_len = KVH * (D + kRowExtra<KV>);
   const __mmask16 tail = static_cast<__mmask16>(kFull ? 0xFFFF : (1u << (D - 16 * (NC - 1))) - 1);
   HeadStates st(state, H, 16 * NC);
   // q scaled once per item, each head padded to 16 * NC lanes with zeros, 64-byte aligned
@@ -761,10 +810,10 @@ std::vector<Unit> plan_units(const std::vector<int64_t>& keys, std::vector<std::
 void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& pool, int64_t layer,
                      const at::Tensor& tables, const at::Tensor& context_lens, const at::Tensor& query_start,
                      const at::Tensor& query_len, double scale) {
-  const bool bf16 = pool.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(pool.dim() == 6 && pool.is_contiguous() && (bf16 || pool.scalar_type() == at::kFloat) &&
-                  pool.device().is_cpu(),
-              "pool must be a contiguous fp32 or bf16 CPU tensor [pages, layers, 2, page_size, kv_heads, head_dim]");
+  const auto kv_type = pool.scalar_type();
+  TORCH_CHECK(pool.dim() == 6 && pool.is_contiguous() && pool.device().is_cpu() &&
+                  (kv_type == at::kFloat || kv_type == at::kBFloat16 || kv_type == at::kChar),
+              "pool must be a contiguous fp32, bf16 or int8 CPU tensor [pages, layers, 2, page_size, kv_heads, row]");
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "q must be fp32 [T, H, D] with contiguous heads");
   TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == at::kFloat, "out must be like q");
@@ -774,9 +823,10 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   const int64_t S = tables.size(0), W = tables.size(1);
   TORCH_CHECK(tables.dim() == 2 && context_lens.numel() == S && query_start.numel() == S && query_len.numel() == S,
               "tables [S, P] and one context_len, query_start, query_len per sequence");
-  const int64_t num_pages = pool.size(0), L = pool.size(1), ps = pool.size(3), KVH = pool.size(4), D = pool.size(5);
-  const int64_t H = q.size(1);
-  TORCH_CHECK(q.size(2) == D && H % KVH == 0, "q heads must be a multiple of kv heads with the pool's head_dim");
+  const int64_t num_pages = pool.size(0), L = pool.size(1), ps = pool.size(3), KVH = pool.size(4), Dr = pool.size(5);
+  const int64_t H = q.size(1), D = q.size(2);
+  TORCH_CHECK(Dr == D + (kv_type == at::kChar ? 4 : 0) && H % KVH == 0,
+              "q heads must be a multiple of kv heads with the pool's head_dim (an int8 pool's rows: head_dim + 4)");
   TORCH_CHECK(layer >= 0 && layer < L, "layer out of range");
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   const int32_t* qstart = query_start.data_ptr<int32_t>();
@@ -795,23 +845,25 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
       item_first.push_back(j);
     }
   }
-  const int64_t layer_off = layer * 2 * ps * KVH * D, page_stride = L * 2 * ps * KVH * D, v_offset = ps * KVH * D;
+  const int64_t layer_off = layer * 2 * ps * KVH * Dr, page_stride = L * 2 * ps * KVH * Dr, v_offset = ps * KVH * Dr;
   std::vector<int64_t> keys(item_seq.size());  // keys each query may see (causal, bottom-right aligned)
   for (size_t w = 0; w < keys.size(); ++w) keys[w] = lens[item_seq[w]] - qlen[item_seq[w]] + item_first[w] + 1;
   std::vector<std::array<int64_t, 3>> splits;
   int64_t num_parts = 0;
   const std::vector<Unit> units = plan_units(keys, &splits, &num_parts);
   std::vector<float> states(static_cast<size_t>(num_parts * H * (D + 2)));
-  if (bf16) {
-    const auto* data = reinterpret_cast<const bf16_t*>(pool.data_ptr<c10::BFloat16>());
-    run_dims(Problem<bf16_t>{q.data_ptr<float>(), out.data_ptr<float>(), data + layer_off, tab, lens, qstart, qlen,
-                             item_seq.data(), item_first.data(), W, H, KVH, D, ps, page_stride, v_offset,
-                             q.stride(0), out.stride(0), static_cast<float>(scale), states.data()}, units, splits);
-  } else {
-    run_dims(Problem<float>{q.data_ptr<float>(), out.data_ptr<float>(), pool.data_ptr<float>() + layer_off, tab, lens,
-                            qstart, qlen, item_seq.data(), item_first.data(), W, H, KVH, D, ps, page_stride, v_offset,
-                            q.stride(0), out.stride(0), static_cast<float>(scale), states.data()}, units, splits);
-  }
+  auto go = [&](const auto* data) {
+    using KV = std::remove_const_t<std::remove_pointer_t<decltype(data)>>;
+    run_dims(Problem<KV>{q.data_ptr<float>(), out.data_ptr<float>(), data + layer_off, tab, lens, qstart, qlen,
+                         item_seq.data(), item_first.data(), W, H, KVH, D, ps, page_stride, v_offset, q.stride(0),
+                         out.stride(0), static_cast<float>(scale), states.data()}, units, splits);
+  };
+  if (kv_type == at::kBFloat16)
+    go(static_cast<const bf16_t*>(pool.data_ptr()));
+  else if (kv_type == at::kChar)
+    go(static_cast<const i8_t*>(pool.data_ptr()));
+  else
+    go(pool.data_ptr<float>());
 }
 
 // How plan_units cuts items of these key counts: the parts of each item (tests, bench)

@@ -1,5 +1,8 @@
 """Small builders shared by the engine tests."""
+import torch
+
 from inference.engine import Engine, EngineConfig
+from inference.kv_cache import pool_rows
 from inference.sequence import SamplingParams
 
 
@@ -16,3 +19,14 @@ def run_until_done(engine, seqs):
     while any(not s.is_done for s in seqs):
         engine.step()
     return seqs
+
+
+def fill_pool_randn(pool, gen: torch.Generator) -> None:
+    """Standard-normal K/V in every row of the pool, as it keeps them (an int8 pool: quantized rows and scales)."""
+    values = torch.randn(pool.data.shape[:-1] + (pool.head_dim,), generator=gen)
+    pool.data.copy_(pool_rows(values, pool.data.dtype))
+
+
+def poison_page(pool, page: int) -> None:
+    """NaN in every value of `page` (an int8 pool: NaN scales), so that a read of it shows in any output."""
+    pool.data[page] = pool_rows(torch.full(pool.data.shape[1:-1] + (pool.head_dim,), float("nan")), pool.data.dtype)

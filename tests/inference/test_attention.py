@@ -12,6 +12,7 @@ from inference import attention, native
 from inference.attention import BACKENDS, AttentionBatch, PrefillSlice, SeqBatch
 from inference.engine import Engine, EngineConfig
 from inference.kv_cache import PagePool, cdiv
+from tests.inference.helpers import fill_pool_randn, poison_page
 
 # (query heads, kv heads, head dim): SmolLM2-135M (9/3/64), the tiny model (4/2/16), MHA, MQA, a
 # head dim without a specialised kernel (24)
@@ -24,7 +25,7 @@ def random_case(h, kvh, d, *, page_size=4, layers=3, seed=0, num_pages=96, dtype
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     pool = PagePool(num_pages, page_size, layers, kvh, d, dtype=dtype)
-    pool.data.copy_(torch.randn(pool.data.shape, generator=gen))
+    fill_pool_randn(pool, gen)
     free = list(range(num_pages))
     rng.shuffle(free)
     kinds = ["decode"] * 6 + ["continued"] * 3 + ["fresh"] * 2
@@ -42,7 +43,7 @@ def random_case(h, kvh, d, *, page_size=4, layers=3, seed=0, num_pages=96, dtype
             seqs.append((pages, ctx, row, n))
         row += n
     for p in set(range(num_pages)) - owned:
-        pool.data[p] = float("nan")
+        poison_page(pool, p)
     width = max(len(p) for p, *_ in seqs) + 2  # wider than any: null-page padding on every row
     tables = torch.tensor([p + [pool.null_page] * (width - len(p)) for p, *_ in seqs], dtype=torch.int32)
     lens, starts, qlens = [s[1] for s in seqs], [s[2] for s in seqs], [s[3] for s in seqs]
@@ -60,11 +61,12 @@ def kernel_built():
     assert native.load(), f"the paged-attention kernel is not built ({native.load_error()}): run `make install`"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("h,kvh,d", SHAPES)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_kernel_matches_sdpa_over_gathered_pages(h, kvh, d, seed, dtype):
-    """A bf16 pool too: its values widen exactly, so the kernel's fp32 math matches the reference's as tightly."""
+    """A bf16 pool too: its values widen exactly, so the kernel's fp32 math matches the reference's as tightly; and an
+    int8 pool, whose reference reads each row as code x scale (kv_cache.dequantize_rows)."""
     pool, batch, q, k, v = random_case(h, kvh, d, seed=seed, dtype=dtype)
     for layer in range(pool.num_layers):
         ours = BACKENDS["native"](q, k, v, pool, layer, batch)
@@ -164,17 +166,31 @@ def _greedy(n):
     return SamplingParams(max_tokens=n, ignore_eos=True)
 
 
-def test_kernel_and_rope_store_refuse_a_pool_neither_fp32_nor_bf16():
+def test_kernel_and_rope_store_refuse_a_pool_neither_fp32_nor_bf16_nor_int8():
     """An fp16 pool read as fp32 would be garbage (and twice its bytes): refused before anything is read or written."""
     pool, batch, q, k, v = random_case(4, 2, 16, dtype=torch.float16)
     sb = batch.paged
-    with pytest.raises(RuntimeError, match="fp32 or bf16"):
+    with pytest.raises(RuntimeError, match="fp32, bf16 or int8"):
         native.paged_attention(torch.empty_like(q), q, pool.data, 0, sb.tables, sb.context_lens, sb.query_start,
                                sb.query_len, 0.25)
     qkv = torch.randn(2, (4 + 2 * 2) * 16)
-    with pytest.raises(RuntimeError, match="fp32 or bf16"):
+    with pytest.raises(RuntimeError, match="fp32, bf16 or int8"):
         native.rope_store(qkv, torch.ones(2, 16), torch.ones(2, 16), pool.data, 0, torch.tensor([1, 2]),
                           torch.tensor([0, 0]), 4, 2)
+
+
+def test_kernel_and_rope_store_refuse_int8_rows_without_their_scale():
+    """An int8 pool's row is head_dim codes and a 4-byte scale: a pool of bare codes (rows of head_dim) would have
+    its next row's codes read as a scale. Refused, naming the row the pool needs."""
+    pool, batch, q, k, v = random_case(4, 2, 16, dtype=torch.int8)
+    bare = pool.data[..., :16].contiguous()
+    sb = batch.paged
+    with pytest.raises(RuntimeError, match=r"head_dim \+ 4"):
+        native.paged_attention(torch.empty_like(q), q, bare, 0, sb.tables, sb.context_lens, sb.query_start,
+                               sb.query_len, 0.25)
+    with pytest.raises(RuntimeError, match="rows of 16"):
+        native.rope_store(torch.randn(2, (4 + 2 * 2) * 16), torch.ones(2, 16), torch.ones(2, 16), bare, 0,
+                          torch.tensor([1, 2]), torch.tensor([0, 0]), 4, 2)
 
 
 @pytest.mark.parametrize("bf16_faster", [False, True])

@@ -71,7 +71,7 @@ def test_the_blob_shape_and_dtype_are_signed():
 
 @pytest.mark.parametrize("change", [
     {"blob_dtype": "float64"},  # signed, consistent with the stored blob, but not whitelisted
-    {"blob_dtype": "int8"},
+    {"blob_dtype": "uint8"},
     {"blob_dtype": ""},
 ])
 def test_only_whitelisted_dtypes_are_accepted(change):
@@ -162,6 +162,7 @@ def test_a_signature_with_another_key_is_forged():
 
 def test_only_whitelisted_blobs_get_signed_metadata():
     assert blob_metadata(blob_for(1, torch.bfloat16)) == {"blob_shape": (3, *PAGE), "blob_dtype": "bfloat16"}
+    assert blob_metadata(blob_for(1, torch.int8)) == {"blob_shape": (3, *PAGE), "blob_dtype": "int8"}
     with pytest.raises(ValueError):
         blob_metadata(blob_for(1, torch.float64))
 

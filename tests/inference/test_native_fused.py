@@ -74,6 +74,35 @@ def test_rope_store_rotates_like_the_model_and_writes_the_pool_like_its_write(ti
     assert pool.data[:, 0].abs().sum() == 0  # another layer untouched
 
 
+def test_rope_store_writes_an_int8_pool_as_its_write_quantizes(tiny_model):
+    """Codes and scale per row, the same rule as PagePool.write (kv_cache.quantize_rows): equal bytes for the same
+    rows in (V, as projected), and for K (rotated here and by torch, at most an fp32 ulp apart) values within a step."""
+    from inference.kv_cache import PagePool, dequantize_rows, quantize_rows
+    from inference.model import Llama
+
+    c = tiny_model.config
+    llama = Llama(c, tiny_model.weights)
+    heads, kvh, d = c.num_heads, c.num_kv_heads, c.head_dim
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(5, (heads + 2 * kvh) * d, generator=gen) * 3
+    qkv[2, (heads + kvh) * d:] = 0  # a V row of zeros: zero bytes, scale included
+    positions = torch.tensor([0, 1, 7, 30, 100])
+    pages, offsets = torch.tensor([3, 3, 0, 5, 2]), torch.tensor([0, 1, 7, 14, 4])
+    cos, sin = llama.cos[positions], llama.sin[positions]
+    ref_pool, pool = (PagePool(6, 16, c.num_layers, kvh, d, dtype=torch.int8) for _ in range(2))
+    ref_qk = llama._rope(qkv[:, : (heads + kvh) * d].view(5, heads + kvh, d), cos.unsqueeze(1), sin.unsqueeze(1))
+    v = qkv[:, (heads + kvh) * d:].view(5, kvh, d)
+    ref_pool.write(1, pages, offsets, ref_qk[:, heads:], v)
+    native.rope_store(qkv, cos, sin, pool.data, 1, pages, offsets, heads, kvh)
+    k_rows, v_rows = pool.data[pages, 1, 0, offsets], pool.data[pages, 1, 1, offsets]
+    assert torch.equal(v_rows, quantize_rows(v)) and torch.equal(v_rows, ref_pool.data[pages, 1, 1, offsets])
+    assert v_rows[2].view(torch.uint8).count_nonzero() == 0
+    scale = k_rows[..., d:].contiguous().view(torch.float32)
+    assert (dequantize_rows(k_rows) - ref_qk[:, heads:]).abs().le(scale * 0.5 + 1e-5).all()
+    assert (k_rows == ref_pool.data[pages, 1, 0, offsets]).float().mean() > 0.99
+    assert pool.data[:, 0].count_nonzero() == 0  # another layer untouched
+
+
 @pytest.mark.parametrize("page, offset", [(6, 0), (7, 0), (-1, 0), (0, 16)])
 def test_rope_store_refuses_a_slot_that_is_not_a_page_of_the_pool(tiny_model, page, offset):
     """Row 6 of a 6-page pool is its null page (always zero); 7 and -1 are outside; offset 16 is past the page."""

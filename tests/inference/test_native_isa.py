@@ -11,6 +11,7 @@ import torch
 from inference import native
 from inference.attention import BACKENDS, AttentionBatch, SeqBatch
 from inference.kv_cache import PagePool, cdiv
+from tests.inference.helpers import fill_pool_randn
 from tests.inference.test_attention import random_case
 
 SHAPES = [(9, 3, 64), (4, 2, 16), (4, 4, 32), (8, 1, 128), (6, 2, 24), (9, 3, 80), (4, 2, 160), (10, 2, 48)]
@@ -34,7 +35,7 @@ def test_the_best_isa_of_this_cpu_is_the_default():
     assert native.set_isa("") == expected == native.isa()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("h,kvh,d", SHAPES)
 def test_every_isa_matches_sdpa_and_the_others(h, kvh, d, page_size, dtype):
@@ -74,7 +75,7 @@ def decode_batch(pool, heads, lens, qlens, gen):
 
 
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("ctx", [1, 7, 8, 9, 15, 16, 17, 31, 33, 300])
 def test_the_blocked_loops_over_long_ragged_contexts_decode_and_chunks(ctx, dtype, isa):
     """The blocked loops (8 tokens a block on AVX2, 16 on AVX-512): contexts on each side of a block, decode rows and
@@ -84,7 +85,7 @@ def test_the_blocked_loops_over_long_ragged_contexts_decode_and_chunks(ctx, dtyp
     gen = torch.Generator().manual_seed(ctx)
     ps, h, kvh, d = 16, 9, 3, 64
     pool = PagePool(96, ps, 2, kvh, d, dtype=dtype)
-    pool.data.copy_(torch.randn(pool.data.shape, generator=gen))
+    fill_pool_randn(pool, gen)
     chunk = min(ctx, 7)
     batch, q, k, v, ref = decode_batch(pool, h, [ctx, ctx + 5, max(1, ctx - 3), ctx], [1, 1, 1, chunk], gen)
     native.set_isa(isa)
@@ -128,7 +129,7 @@ def test_an_item_is_cut_by_its_keys_alone():
     assert native.attention_parts([512] * 32) == [2] * 32
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("ctx", [257, 300, 512, 1000, 1037])
 def test_one_long_sequence_cut_into_parts_matches_the_reference_under_every_isa(ctx, dtype):
     """One decode row alone (and one beside a chunk continuing its prefix): its keys run as parts on the native
@@ -136,7 +137,7 @@ def test_one_long_sequence_cut_into_parts_matches_the_reference_under_every_isa(
     gen = torch.Generator().manual_seed(ctx)
     ps, h, kvh, d = 16, 9, 3, 64
     pool = PagePool(cdiv(ctx + 40, ps) * 2 + 4, ps, 2, kvh, d, dtype=dtype)
-    pool.data.copy_(torch.randn(pool.data.shape, generator=gen))
+    fill_pool_randn(pool, gen)
     threads = native.threads()
     try:
         for lens, qlens in (([ctx], [1]), ([ctx, ctx // 2 + 3], [1, 2])):

@@ -74,6 +74,28 @@ def test_a_bf16_pool_travels_as_bf16_pages_and_decodes_as_the_engine_alone(runti
         assert rt.ledger.num_free() == 64 and rt.engine.pool.data.view(torch.uint8).count_nonzero() == 0
 
 
+def test_an_int8_pool_travels_as_its_codes_and_scales_and_decodes_as_the_engine_alone(runtimes, tiny_model,
+                                                                                      redis_client):
+    """KVSERVE_KV_DTYPE=int8 on both sides: the blob is the pages' bytes (codes and each row's scale, signed as int8,
+    checksummed), decode reads them to the same tokens as one engine over an int8 pool, and scrubs every byte."""
+    prefill, decode = runtimes("prefill", kv_dtype="int8"), runtimes("decode", kv_dtype="int8")
+    assert prefill.info().dtype == decode.info().dtype == "int8"
+    prompt = list(range(10, 50))
+    (alone,) = make_engine(tiny_model, kv_dtype="int8").generate([prompt], greedy(10))
+    handoff = prefill.prefill("r1", prompt, greedy(10))
+    assert handoff.verdict is Verdict.OK and handoff.dtype == handoff.blob_dtype == "int8"
+    head_dim = tiny_model.config.head_dim
+    assert handoff.blob_shape[-1] == head_dim + 4  # each row's codes and its scale travel together
+    stored = redis_client.hget(prefill.transport.key("r1"), "blob")
+    assert stored is not None and len(stored) == handoff.num_pages * prefill.engine.pool.bytes_per_page
+    assert prefill.engine.pool.bytes_per_page * 4 * head_dim == \
+        runtimes("prefill").engine.pool.bytes_per_page * (head_dim + 4)
+    seq = decode.decode("r1", prompt, greedy(10), handoff.to_dict())
+    assert seq.output_ids == alone.output_ids and seq.status is SeqStatus.FINISHED
+    for rt in (prefill, decode):
+        assert rt.ledger.num_free() == 64 and rt.engine.pool.data.view(torch.uint8).count_nonzero() == 0
+
+
 def test_a_decode_worker_refuses_kv_of_another_dtype(runtimes):
     prefill, decode = runtimes("prefill", kv_dtype="bfloat16"), runtimes("decode")
     prompt = list(range(10, 50))
