@@ -127,7 +127,8 @@ class Llama:
 
     def _native_step(self, rows: int, batch: AttentionBatch) -> bool:
         """Whether this step runs layer.cpp: every row reads the pool (no fresh prompt) and no more rows than the
-        codes take. (w4a8 needs an fp32 model, so the pool is an fp32, bf16 or int8 one rope_store writes; it checks.)"""
+        codes take. (w4a8 needs an fp32 model, so the pool is an fp32, bf16 or int8 one rope_store writes; it
+        checks.)"""
         return self._native_layers is not None and not batch.fresh and batch.paged is not None \
             and rows <= self._native_rows
 
