@@ -57,7 +57,7 @@ class PagePool:
             self.num_scrubbed += len(idx)
 
     def export_pages(self, pages) -> torch.Tensor:
-        """A copy of whole pages, [n, layers, 2, page_size, kv_heads, head_dim]."""
+        """A copy of whole pages, [n, layers, 2, page_size, kv_heads, row] (row: head_dim, + 4 in an int8 pool)."""
         idx = torch.as_tensor(list(pages), dtype=torch.long, device=self.data.device)
         return self.data.index_select(0, idx).cpu()
 
@@ -84,7 +84,8 @@ def row_width(head_dim: int, dtype: torch.dtype) -> int:
 
 def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     """fp32 rows [..., head_dim] -> int8 rows [..., head_dim + 4]: codes round(x / scale) (nearest even) with
-    scale = max |x| / 127 (fp32), then the scale's bytes; a row of zeros is all zero bytes. The native rope_store
+    scale = max |x| / 127 (fp32), then the scale's bytes; a row of zeros is all zero bytes, a row with a NaN codes 0
+    and a NaN scale (it reads back as NaN, as an fp32 pool's would). The native rope_store
     (inference/native/fused.cpp) writes the same bytes."""
     x = x.float()
     scale = x.abs().amax(-1, keepdim=True) / 127

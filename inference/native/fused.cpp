@@ -61,7 +61,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool t
 
 // A K or V row of n values into the pool: as is, rounded to bf16 (nearest even, as Tensor.to(torch.bfloat16)), or
 // as int8 codes and their fp32 scale after them (inference.kv_cache.quantize_rows, the same operations: scale =
-// max |x| / 127, code = x / scale rounded to nearest even; a row of zeros is all zero bytes).
+// max |x| / 127, code = x / scale rounded to nearest even; a row of zeros is all zero bytes; a NaN, a NaN scale).
 inline void kv_store(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 inline void kv_store(c10::BFloat16* dst, const float* src, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = c10::BFloat16(src[i]);
@@ -69,7 +69,10 @@ inline void kv_store(c10::BFloat16* dst, const float* src, int64_t n) {
 inline void kv_store(int8_t* dst, const float* src, int64_t n) {
   constexpr float kRound = 12582912.f;  // 1.5 x 2^23: adding and taking it away rounds |y| < 2^22 to nearest even
   float amax = 0.f;
-  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(src[i]));
+  for (int64_t i = 0; i < n; ++i) {  // a NaN makes the scale NaN (and the codes 0): the row reads back as NaN
+    const float a = std::fabs(src[i]);
+    amax = a > amax || a != a ? a : amax;
+  }
   const float scale = amax / 127.f;
   if (scale > 0.f) {
 #pragma omp simd

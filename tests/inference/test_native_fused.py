@@ -86,6 +86,7 @@ def test_rope_store_writes_an_int8_pool_as_its_write_quantizes(tiny_model):
     gen = torch.Generator().manual_seed(1)
     qkv = torch.randn(5, (heads + 2 * kvh) * d, generator=gen) * 3
     qkv[2, (heads + kvh) * d:] = 0  # a V row of zeros: zero bytes, scale included
+    qkv[3, (heads + kvh) * d + 1] = float("nan")  # a NaN in V: that row's scale is NaN, its codes 0
     positions = torch.tensor([0, 1, 7, 30, 100])
     pages, offsets = torch.tensor([3, 3, 0, 5, 2]), torch.tensor([0, 1, 7, 14, 4])
     cos, sin = llama.cos[positions], llama.sin[positions]
@@ -97,6 +98,7 @@ def test_rope_store_writes_an_int8_pool_as_its_write_quantizes(tiny_model):
     k_rows, v_rows = pool.data[pages, 1, 0, offsets], pool.data[pages, 1, 1, offsets]
     assert torch.equal(v_rows, quantize_rows(v)) and torch.equal(v_rows, ref_pool.data[pages, 1, 1, offsets])
     assert v_rows[2].view(torch.uint8).count_nonzero() == 0
+    assert dequantize_rows(v_rows[3, 0]).isnan().all() and not dequantize_rows(v_rows[3, 1:]).isnan().any()
     scale = k_rows[..., d:].contiguous().view(torch.float32)
     assert (dequantize_rows(k_rows) - ref_qk[:, heads:]).abs().le(scale * 0.5 + 1e-5).all()
     assert (k_rows == ref_pool.data[pages, 1, 0, offsets]).float().mean() > 0.99
