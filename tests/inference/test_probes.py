@@ -8,9 +8,10 @@ from inference.probes import guard_probe, scrub_probe
 from tests.inference.helpers import make_engine
 
 
-@pytest.fixture
-def engine(tiny_model):
-    return make_engine(tiny_model, num_pages=16)
+@pytest.fixture(params=["auto", "int8"])
+def engine(tiny_model, request):
+    """The model's own pool, and an int8 one (rows of codes and a scale: the probes read and write its bytes alike)."""
+    return make_engine(tiny_model, num_pages=16, kv_dtype=request.param)
 
 
 def test_the_guard_probe_sees_each_read_raise_in_the_real_guard_and_leaves_nothing_behind(engine):
