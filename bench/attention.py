@@ -149,22 +149,14 @@ def main(argv=None) -> int:
     if len(names) > 1:
         out["speedup_isa"] = kernel[(names[0], dtypes[0])] / kernel[(best, dtypes[0])]
         print(f"{names[0]} -> {best}: kernel {out['speedup_isa']:.2f}x faster per decode step ({dtypes[0]} pool)")
-    if {"float32", "bfloat16"} <= set(dtypes):
-        out["speedup_bf16_pool"] = kernel[(best, "float32")] / kernel[(best, "bfloat16")]
-        print(f"float32 -> bfloat16 pool: kernel {out['speedup_bf16_pool']:.2f}x faster per decode step ({best})")
-        if step:
-            out["step_speedup_bf16_pool"] = step["float32"] / step["bfloat16"]
-            print(f"float32 -> bfloat16 pool: {args.precision} decode step {out['step_speedup_bf16_pool']:.2f}x, "
-                  f"kernel {kernel[(best, 'float32')] / step['float32']:.0%} -> "
-                  f"{kernel[(best, 'bfloat16')] / step['bfloat16']:.0%} of it")
-    if {"bfloat16", "int8"} <= set(dtypes):
-        out["speedup_int8_pool"] = kernel[(best, "bfloat16")] / kernel[(best, "int8")]
-        print(f"bfloat16 -> int8 pool: kernel {out['speedup_int8_pool']:.2f}x faster per decode step ({best})")
-        if step:
-            out["step_speedup_int8_pool"] = step["bfloat16"] / step["int8"]
-            print(f"bfloat16 -> int8 pool: {args.precision} decode step {out['step_speedup_int8_pool']:.2f}x, "
-                  f"kernel {kernel[(best, 'bfloat16')] / step['bfloat16']:.0%} -> "
-                  f"{kernel[(best, 'int8')] / step['int8']:.0%} of it")
+    for slow, fast, name in (("float32", "bfloat16", "bf16"), ("bfloat16", "int8", "int8")):
+        if {slow, fast} <= set(dtypes):
+            out[f"speedup_{name}_pool"] = kernel[(best, slow)] / kernel[(best, fast)]
+            print(f"{slow} -> {fast} pool: kernel {out[f'speedup_{name}_pool']:.2f}x faster per decode step ({best})")
+            if step:
+                out[f"step_speedup_{name}_pool"] = step[slow] / step[fast]
+                print(f"{slow} -> {fast} pool: {args.precision} decode step {out[f'step_speedup_{name}_pool']:.2f}x, "
+                      f"kernel {kernel[(best, slow)] / step[slow]:.0%} -> {kernel[(best, fast)] / step[fast]:.0%} of it")
     emit_json(out)
     return 0
 
