@@ -8,6 +8,7 @@ that to the retention the API recorded at admission (`retain`), or to `replay_s`
 
 A dropped connection is not a lost event: reads repeat from the last entry seen, and a publish is keyed by
 its batch, so a batch repeated after its reply was lost appends nothing twice (inference.retry)."""
+import asyncio
 import json
 import time
 import uuid
@@ -54,6 +55,7 @@ return appended
 """
 MAXLEN = 100_000
 BLOCK_S = 1.0  # the longest XREAD BLOCK
+REPLY_MARGIN_S = 10.0  # an async XREAD unanswered this long past its BLOCK: Redis stopped answering
 
 
 def decode_entries(reply) -> list[tuple[bytes, OutputEvent]]:
@@ -151,9 +153,19 @@ class OutputStream:
                     return
 
 
+def async_client(url: str):
+    """The redis.asyncio client an AsyncOutputStream reads with: no socket_timeout, on purpose (redis-py 8's
+    default is 5 s). With one, redis-py sends every command through asyncio.wait_for, and Python 3.11's wait_for swallows a cancel that arrives while
+    the send completes (CPython gh-86296): the web's stream then never heard that its client had gone and ran
+    the request to its end. AsyncOutputStream.read bounds each read itself (asyncio.timeout keeps a cancel)."""
+    import redis.asyncio as aioredis
+
+    return aioredis.Redis.from_url(url, socket_timeout=None, socket_connect_timeout=REPLY_MARGIN_S)
+
+
 class AsyncOutputStream:
-    """The reading side of OutputStream for asyncio servers (a `redis.asyncio` client): the same keys and
-    events, read without holding a thread while waiting."""
+    """The reading side of OutputStream for asyncio servers (a `redis.asyncio` client, from `async_client`): the
+    same keys and events, read without holding a thread while waiting."""
 
     key = OutputStream.key
 
@@ -166,14 +178,19 @@ class AsyncOutputStream:
 
     async def read(self, request_id: str, timeout_s: float, last_id: str = "0-0", idle_s: float | None = None):
         """Yields events until a final one (done/error), and None after each `idle_s` of silence (for
-        keep-alives); raises TimeoutError after `timeout_s` without an event."""
+        keep-alives); raises TimeoutError after `timeout_s` without an event, redis.TimeoutError when Redis
+        leaves a read unanswered REPLY_MARGIN_S past its BLOCK."""
         key = self.key(request_id)
         silent = quiet = 0.0  # since the last event; since the last event or keep-alive
         while True:
             wait = min(BLOCK_S, timeout_s - silent, (idle_s - quiet) if idle_s is not None else BLOCK_S)
             block_ms = max(1, int(wait * 1000))
-            reply = await repeat_async(lambda: self.redis.xread({key: last_id}, block=block_ms, count=256),
-                                       f"reading {key}")
+            try:
+                async with asyncio.timeout(wait + REPLY_MARGIN_S):
+                    reply = await repeat_async(lambda: self.redis.xread({key: last_id}, block=block_ms, count=256),
+                                               f"reading {key}")
+            except TimeoutError as exc:  # ours (asyncio.timeout): redis-py's own is a redis.TimeoutError
+                raise redis.TimeoutError(f"Redis left XREAD on {key} unanswered past its block") from exc
             if not reply:
                 silent, quiet = silent + wait, quiet + wait
                 if silent >= timeout_s:

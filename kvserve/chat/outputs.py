@@ -13,13 +13,12 @@ from collections.abc import AsyncIterator
 from functools import lru_cache
 
 import redis
-import redis.asyncio as aioredis
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.http import StreamingHttpResponse
 
 from inference.events import Delta, Done, Error, Usage, is_final
-from inference.streams import AsyncOutputStream, OutputStream, ReaderStopped
+from inference.streams import AsyncOutputStream, OutputStream, ReaderStopped, async_client
 from kvserve.chat.models import ChatRequest
 from kvserve.chat.services import chat_request_cancel
 from kvserve.chat.shapes import CHAT
@@ -153,7 +152,7 @@ async def completion_chunks(req: ChatRequest, *, include_usage: bool, fingerprin
         if ends_request:
             await asyncio.shield(sync_to_async(_give_up)(req, event))
 
-    client = aioredis.Redis.from_url(settings.REDIS_URL, socket_timeout=keepalive_s + 10)  # > one XREAD BLOCK
+    client = async_client(settings.REDIS_URL)
     stream = AsyncOutputStream(client, prefix=settings.KVSERVE_LEDGER_PREFIX)
     ended = False  # the final event (or our own give-up) was reached
     try:

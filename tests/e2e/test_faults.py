@@ -137,14 +137,13 @@ def signal_group(stack, name, sig) -> None:
 # ---- clients that go away ------------------------------------------------------------------------
 
 def test_a_client_that_disconnects_mid_stream_ends_its_request_and_frees_its_pages(fstack):
-    """Up to three tries: on a Zen 5 EPYC the tiny model's 1,500 tokens take ~1.2 s, and in ~1 of 5 runs the web
-    process did not hear of the closed connection before the answer was done (status done, all tokens: an open
-    defect, stop 40's note). Every try must end and balance its books; one must end client_disconnected early, so a
-    stack that never ends a request on a disconnect still fails."""
+    """Six streams, each closed at its first content: each must end client_disconnected and balance its books.
+    (Until stop 41 about 1 in 4 ran to all 1,500 tokens: Django's cancel of the response was swallowed by Python
+    3.11's asyncio.wait_for inside redis-py; inference.streams.async_client, tests/inference/test_streams.py.)"""
     (decoder,) = fstack.registry().live_workers("decode")
     ledger = RedisLedger(fstack.redis, decoder.worker_id, prefix=fstack.prefix)
     outcomes = []
-    for _ in range(3):
+    for _ in range(6):
         s = Stream(fstack, max_tokens=1500).until_content()
         rid = s.id
         assert ledger.pages_of(rid)
@@ -155,13 +154,9 @@ def test_a_client_that_disconnects_mid_stream_ends_its_request_and_frees_its_pag
         r = ended(fstack, rid)
         books_balance(fstack, "decode")
         outcomes.append((r["status"], r["error_code"], r["completion_tokens"], round(freed_s, 2)))
-        if (r["status"], r["error_code"]) == ("failed", "client_disconnected"):
-            assert r["completion_tokens"] < 1500
-            print(f"\nstreamed client gone -> pages freed in {freed_s:.2f}s (tries: {outcomes})")
-            assert freed_s < 10  # measured ~0.1-0.3 s; generous for a loaded machine
-            return
-        assert (r["status"], r["completion_tokens"]) == ("done", 1500), outcomes  # nothing else is acceptable
-    raise AssertionError(f"no try ended client_disconnected: {outcomes}")
+    print(f"\nstreamed client gone -> request ended, pages freed (status, code, tokens, s): {outcomes}")
+    assert [o[:2] for o in outcomes] == [("failed", "client_disconnected")] * 6, outcomes
+    assert all(o[2] < 1500 and o[3] < 10 for o in outcomes), outcomes  # measured ~0.1 s; generous when loaded
 
 
 def test_a_non_streamed_client_that_disconnects_ends_its_request_and_frees_its_pages(fstack):
