@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include "arith.h"
 #include "cap.h"
@@ -69,11 +70,15 @@ inline void kv_store(c10::BFloat16* dst, const float* src, int64_t n) {
 inline void kv_store(int8_t* dst, const float* src, int64_t n) {
   constexpr float kRound = 12582912.f;  // 1.5 x 2^23: adding and taking it away rounds |y| < 2^22 to nearest even
   float amax = 0.f;
-  for (int64_t i = 0; i < n; ++i) {  // a NaN makes the scale NaN (and the codes 0): the row reads back as NaN
+  int nan = 0;
+#pragma omp simd reduction(max : amax) reduction(| : nan)
+  for (int64_t i = 0; i < n; ++i) {  // two vectorized reductions: max |x| and whether any x is NaN
     const float a = std::fabs(src[i]);
-    amax = a > amax || a != a ? a : amax;
+    amax = std::max(amax, a);
+    nan |= a != a;
   }
-  const float scale = amax / 127.f;
+  // a NaN makes the scale NaN (and the codes 0): the row reads back as NaN
+  const float scale = nan ? std::numeric_limits<float>::quiet_NaN() : amax / 127.f;
   if (scale > 0.f) {
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) {
