@@ -155,9 +155,10 @@ class OutputStream:
 
 def async_client(url: str):
     """The redis.asyncio client an AsyncOutputStream reads with: no socket_timeout, on purpose (redis-py 8's
-    default is 5 s). With one, redis-py sends every command through asyncio.wait_for, and Python 3.11's wait_for swallows a cancel that arrives while
-    the send completes (CPython gh-86296): the web's stream then never heard that its client had gone and ran
-    the request to its end. AsyncOutputStream.read bounds each read itself (asyncio.timeout keeps a cancel)."""
+    default is 5 s). With one, redis-py sends every command through asyncio.wait_for, and Python 3.11's wait_for
+    swallows a cancel that arrives while the send completes (CPython gh-86296): the web's stream then never heard
+    that its client had gone and ran the request to its end. AsyncOutputStream.read bounds each read itself
+    (asyncio.timeout keeps a cancel)."""
     import redis.asyncio as aioredis
 
     return aioredis.Redis.from_url(url, socket_timeout=None, socket_connect_timeout=REPLY_MARGIN_S)
