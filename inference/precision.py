@@ -533,7 +533,23 @@ def choose(shapes, device: torch.device, fp32_kernel: str, *, candidates=MODES, 
         # int4w is bf16 above int4_max_rows() rows and measured faster at or below them: the two timings differ
         # by noise on the shared lm_head, not by what they run
         best, why = "int4w", f"int4w over bf16 (the same bf16 matmuls above {int4_max_rows()} rows, the codes at or below)"
+    best, why = w4a8_preferred(best, timed) or (best, why)
     return Choice(best, timings, "; ".join([why] + notes))
+
+
+W4A8_SLACK = 1.25  # auto takes w4a8 over a bf16 or int4w timed faster by less than this factor
+
+
+def w4a8_preferred(best: str, timed: dict) -> tuple[str, str] | None:
+    """(w4a8, why) where auto's matmul timings put bf16 or int4w first by less than W4A8_SLACK; else None. w4a8
+    multiplies the file's 4-bit codes as int4w does (one stream bound by the same bytes) and bf16's matmuls past its
+    rows as both do, and it alone runs a decode step's layers in one native call, which these timings of single
+    products do not see: on an AMX Xeon int4w once timed 9 % faster, and side by side w4a8 decoded one stream at
+    276 tok/s to int4w's 97 (bench/RESULTS.md, stop 41)."""
+    if best in ("bf16", "int4w") and timed.get("w4a8") is not None and timed["w4a8"] <= W4A8_SLACK * timed[best]:
+        return "w4a8", (f"w4a8 over {best} (timed {timed['w4a8'] / timed[best]:.2f}x its ms, within {W4A8_SLACK}x: "
+                        "the same codes or matmuls, and a decode step's layers in one native call)")
+    return None
 
 
 @lru_cache(maxsize=8)

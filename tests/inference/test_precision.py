@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from inference import native
-from inference.precision import (CONTRACTS, GROUPED, MODES, REDUCED_KV, Agreement, CodedWeight, Gemm, Int4Weight,
-                                 choose, compare_logits, gemm_for, group8_quantize, group_quantize, int4_max_rows,
-                                 kv_dtype_for, model_shapes,
-                                 onednn_bf16_prepacks, precision_contract_holds, precision_fingerprint,
-                                 resolve_precision, w4a8_dense_mode, w4a8_max_rows)
+from inference.precision import (CONTRACTS, GROUPED, MODES, REDUCED_KV, W4A8_SLACK, Agreement, CodedWeight, Gemm,
+                                 Int4Weight, choose, compare_logits, gemm_for, group8_quantize, group_quantize,
+                                 int4_max_rows, kv_dtype_for, model_shapes, onednn_bf16_prepacks,
+                                 precision_contract_holds, precision_fingerprint, resolve_precision, w4a8_dense_mode,
+                                 w4a8_max_rows, w4a8_preferred)
 from tests.inference.helpers import greedy, make_engine
 
 pytestmark = pytest.mark.timeout(900)
@@ -282,7 +282,48 @@ def test_auto_picks_a_timed_mode_whose_kernels_hold(real_model):
     choice = choose(model_shapes(real_model.config), torch.device("cpu"), "onednn", repeats=1)
     assert choice.mode in MODES and all(t is not None and t > 0 for t in choice.timings_ms.values())
     fastest = min(choice.timings_ms, key=choice.timings_ms.get)
-    assert choice.mode == fastest or (choice.mode, fastest) == ("int4w", "bf16")
+    assert choice.mode == fastest or (choice.mode, fastest) == ("int4w", "bf16") or (
+        choice.mode == "w4a8" and fastest in ("bf16", "int4w")
+        and choice.timings_ms["w4a8"] <= W4A8_SLACK * choice.timings_ms[fastest])
+
+
+@pytest.mark.parametrize("timed, expected", [
+    ({"fp32": 13.2, "bf16": 4.5, "int4w": 4.07, "w4a8": 4.45}, "w4a8"),  # measured: int4w 9 % ahead
+    ({"fp32": 13.2, "bf16": 4.5, "int4w": 3.0, "w4a8": 4.45}, None),  # int4w 1.48x ahead: its win
+    ({"fp32": 13.2, "bf16": 4.0, "int4w": 4.6, "w4a8": 4.9}, "w4a8"),  # bf16 first by 1.22x
+    ({"fp32": 13.2, "bf16": 4.0, "int4w": 4.6, "w4a8": None}, None),  # w4a8 out (its contract or its build)
+    ({"fp32": 3.0, "bf16": 4.0, "int4w": 4.6, "w4a8": 3.1}, None),  # fp32 first: no rule for it
+])
+def test_auto_takes_w4a8_over_bf16_or_int4w_timed_faster_by_less_than_its_slack(timed, expected):
+    timed = {m: t for m, t in timed.items() if t is not None}
+    best = min(timed, key=timed.get)
+    got = w4a8_preferred(best, timed)
+    assert (got[0] if got else None) == expected
+    if got:
+        assert f"w4a8 over {best}" in got[1]
+
+
+def test_auto_applies_the_w4a8_rule_to_what_it_timed(real_model, monkeypatch):
+    """The rule is wired into choose(): a w4a8 slowed well past int4w is taken with a slack that admits it and
+    left with one that does not (int4w here: fp32's kernels under its name, fp32 itself slowed)."""
+    import time as time_module
+
+    import inference.precision as precision
+
+    cpu = torch.device("cpu")
+
+    def slowed(g, seconds):
+        return dataclasses.replace(g, linear=lambda x, w: (time_module.sleep(seconds), g.linear(x, w))[1])
+
+    fp32 = gemm_for("fp32", cpu, "onednn")
+    gemms = {"fp32": slowed(fp32, 0.004), "int4w": dataclasses.replace(fp32, mode="int4w"),
+             "w4a8": slowed(gemm_for("w4a8", cpu, "onednn"), 0.002)}
+    shapes = model_shapes(real_model.config)[:2] + model_shapes(real_model.config)[-1:]
+    for slack, expected in ((1e6, "w4a8"), (1.0, "int4w")):
+        monkeypatch.setattr(precision, "W4A8_SLACK", slack)
+        choice = choose(shapes, cpu, "onednn", candidates=("fp32", "int4w", "w4a8"), gemms=gemms, repeats=1)
+        assert choice.timings_ms["int4w"] < choice.timings_ms["w4a8"]
+        assert choice.mode == expected, choice.line()
 
 
 def test_auto_takes_int4w_over_a_faster_timed_bf16(real_model, monkeypatch):
