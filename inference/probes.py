@@ -11,6 +11,7 @@ import uuid
 
 from inference.block_manager import OwnershipViolation
 from inference.choices import choice_scope
+from inference.retry import repeat
 from inference.sequence import SamplingParams, Sequence
 
 CANARY_PROBE_PREFIX = "canary-probe-"  # request ids of canary probe traffic (server-made, never a client's)
@@ -124,9 +125,12 @@ class ProbeRecords:
         return f"{self.prefix}:probes:{probe_id}"
 
     def put(self, probe_id: str, record: dict) -> None:
-        self.redis.set(self.key(probe_id), json.dumps(record, default=str), ex=self.ttl_s)
+        """Repeated across a dropped connection (a keyed SET): a record lost to a Redis blip left the canary
+        waiting out its whole deadline for it."""
+        data = json.dumps(record, default=str)
+        repeat(lambda: self.redis.set(self.key(probe_id), data, ex=self.ttl_s), f"recording probe {probe_id}")
 
     def get_many(self, probe_ids) -> dict[str, dict]:
         ids = list(probe_ids)
-        raws = self.redis.mget([self.key(i) for i in ids]) if ids else []
+        raws = repeat(lambda: self.redis.mget([self.key(i) for i in ids]), "reading probe records") if ids else []
         return {i: json.loads(r) for i, r in zip(ids, raws) if r is not None}

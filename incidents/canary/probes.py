@@ -141,13 +141,17 @@ def _handoff_outcome(case: str, row, events: list[str], record: dict, worker_id:
     return PASSED, ""
 
 
-def _judge_handoff(w, cases: list[dict], records: dict, outputs) -> dict:
+def _judge_handoff(w, cases: list[dict], records: dict, outputs, seen: dict | None = None) -> dict:
+    """`seen`: rid -> the events read when its row ended (a stream outlives its final event by the replay window
+    only, and the check may wait long past that for another case's answer)."""
     results = {}
     for c in cases:
         row = ChatRequest.objects.filter(id=c["rid"]).first()
         got = {"status": row.status, "decode_worker": row.decode_worker, "decode_verdict": row.decode_verdict,
                "error_code": row.error_code, "completion_tokens": row.completion_tokens} if row else {}
-        events = _events(outputs, c["rid"], 1 if row and row.is_final else 0.2) if row and row.decode_worker else []
+        events = (seen or {}).get(c["rid"])
+        if events is None:
+            events = _events(outputs, c["rid"], 1 if row and row.is_final else 0.2) if row and row.decode_worker else []
         record = records.get(c["rid"]) or {}
         if HANDOFF_CASES[c["case"]] != "accepted":
             got["record"] = record
@@ -213,22 +217,26 @@ def check_live_probes(wait_s: float | None = None, key: bytes | None = None) -> 
     probe_ids = [p for e in sent.values() for p in e["probes"].values()]
     handoff_ids = [c["rid"] for e in sent.values() for c in e["handoff"]]
     deadline = time.monotonic() + wait_s
+    outputs, seen = live.outputs(2), {}  # seen: rid -> its events, read once its row is final
     while time.monotonic() < deadline:
         records = records_store.get_many(probe_ids + handoff_ids)
         rows = {rid: (status, code) for rid, status, code in
                 ChatRequest.objects.filter(id__in=handoff_ids).values_list("id", "status", "error_code")}
+        for rid, (status, _) in rows.items():
+            if status in ChatRequest.FINAL and rid not in seen:
+                seen[rid] = _events(outputs, rid, 1)
         if all_answered(probe_ids, handoff_ids, records, rows):
             break
         time.sleep(0.25)
     records = records_store.get_many(probe_ids + handoff_ids)
-    outputs = live.outputs(2)
     report, incidents = {}, []
     for worker_id, e in sent.items():
         w = e["worker"]
         checks = {name: _probe_outcome(records.get(e["probes"].get(name, "")), worker_id, bool(w.node), wait_s)
                   for name in ("guard", "scrub")}
         if w.role == "decode":
-            checks["handoff"] = _handoff_check(w, _judge_handoff(w, e["handoff"], records, outputs) if w.node else {})
+            checks["handoff"] = _handoff_check(w, _judge_handoff(w, e["handoff"], records, outputs, seen)
+                                               if w.node else {})
         failed = [n for n, c in checks.items() if c["outcome"] != PASSED]
         outcome = outcome_worst(c["outcome"] for c in checks.values())
         report[worker_id] = {"role": w.role, "passed": not failed, "outcome": outcome, "failed": failed,

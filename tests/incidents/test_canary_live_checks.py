@@ -290,3 +290,26 @@ def test_the_probes_wait_for_each_refusals_record_not_only_its_final_row(rows, r
     from incidents.canary.probes import all_answered
 
     assert all_answered(["g1"], ["h1"], records, rows) is answered
+
+
+def test_a_valid_handoff_is_judged_by_the_events_read_when_its_row_ended(registry, make_worker, redis_client,
+                                                                         ledger_prefix):
+    """The check may wait out its deadline for another case's answer; by then the valid case's stream may be gone
+    (a stream outlives its final event by the replay window, 60 s). A soak saw that turn a done probe into a
+    false critical 'wrong'. The events read when its row ended decide; without them it is read now."""
+    from incidents.canary.probes import _judge_handoff
+    from incidents.canary.prompts import canary_key
+    from inference.params import RequestParams, Sampling
+    from inference.streams import OutputStream
+
+    live_worker(registry, make_worker, "decode", worker_id="decode-w1")
+    (w,) = registry.live_workers("decode")
+    ChatRequest.objects.create(id="canary-probe-valid-x", tenant=canary_key(TENANT_B).tenant, status=S.DONE,
+                               model="canary-probe", max_tokens=4, prompt_tokens=3, prompt_hash="canary-probe",
+                               decode_worker="decode-w1", decode_verdict="accepted", completion_tokens=4,
+                               params=RequestParams(Sampling(temperature=0.0, seed=0)).to_dict())
+    cases = [{"case": "valid", "rid": "canary-probe-valid-x"}]
+    gone = OutputStream(redis_client, prefix=ledger_prefix)  # its stream expired: nothing under this prefix
+    judged = _judge_handoff(w, cases, {}, gone, {"canary-probe-valid-x": ["delta", "done"]})
+    assert judged["valid"]["outcome"] == "passed"
+    assert _judge_handoff(w, cases, {}, gone)["valid"]["outcome"] == "wrong"  # nothing read before: as it was

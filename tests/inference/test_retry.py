@@ -270,3 +270,15 @@ def test_a_publish_whose_reply_was_lost_appends_nothing_twice(ledger_prefix):
     # the worker's outbox, not answered yet, is the same batch with one more event at its tail
     out.publish_many([("r", Delta("a")), ("r", Delta("b")), ("r", Done())], batch="b1")
     assert list(out.read("r", timeout_s=5)) == [Delta("a"), Delta("b"), Done()]
+
+
+def test_a_probe_record_is_written_across_a_killed_connection(own_redis):
+    """A worker's probe record (what the canary waits for) is a keyed SET: repeated when its connection drops. In a
+    soak a record lost to CLIENT KILL kept the canary waiting out its whole deadline."""
+    from inference.probes import ProbeRecords
+
+    name = "kvstest-probes"
+    records = ProbeRecords(redis.Redis.from_url(own_redis.url, client_name=name), "kvstest")
+    out = paused_and_killed(own_redis, lambda: records.put("p1", {"ok": True}), name, cmd="set")
+    assert "error" not in out, out
+    assert records.get_many(["p1"]) == {"p1": {"ok": True}}
