@@ -5,6 +5,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -278,6 +279,17 @@ def test_auto_drops_a_candidate_that_raises_or_computes_wrong(real_model):
     assert "precision fp32" in choice.line() and "bf16=out" in choice.line()
 
 
+def slowed(g: Gemm, seconds: float) -> Gemm:
+    """A Gemm whose every product first sleeps `seconds`: auto's timings ordered on purpose."""
+    return dataclasses.replace(g, linear=lambda x, w: (time.sleep(seconds), g.linear(x, w))[1])
+
+
+def timing_shapes(config) -> list[tuple[int, int]]:
+    """Two of a layer's projections and the lm_head: enough for auto's rules, quick to time."""
+    shapes = model_shapes(config)
+    return shapes[:2] + shapes[-1:]
+
+
 def test_auto_picks_a_timed_mode_whose_kernels_hold(real_model):
     choice = choose(model_shapes(real_model.config), torch.device("cpu"), "onednn", repeats=1)
     assert choice.mode in MODES and all(t is not None and t > 0 for t in choice.timings_ms.values())
@@ -306,19 +318,14 @@ def test_auto_takes_w4a8_over_bf16_or_int4w_timed_faster_by_less_than_its_slack(
 def test_auto_applies_the_w4a8_rule_to_what_it_timed(real_model, monkeypatch):
     """The rule is wired into choose(): a w4a8 slowed well past int4w is taken with a slack that admits it and
     left with one that does not (int4w here: fp32's kernels under its name, fp32 itself slowed)."""
-    import time as time_module
-
     import inference.precision as precision
 
     cpu = torch.device("cpu")
 
-    def slowed(g, seconds):
-        return dataclasses.replace(g, linear=lambda x, w: (time_module.sleep(seconds), g.linear(x, w))[1])
-
     fp32 = gemm_for("fp32", cpu, "onednn")
     gemms = {"fp32": slowed(fp32, 0.004), "int4w": dataclasses.replace(fp32, mode="int4w"),
              "w4a8": slowed(gemm_for("w4a8", cpu, "onednn"), 0.002)}
-    shapes = model_shapes(real_model.config)[:2] + model_shapes(real_model.config)[-1:]
+    shapes = timing_shapes(real_model.config)
     for slack, expected in ((1e6, "w4a8"), (1.0, "int4w")):
         monkeypatch.setattr(precision, "W4A8_SLACK", slack)
         choice = choose(shapes, cpu, "onednn", candidates=("fp32", "int4w", "w4a8"), gemms=gemms, repeats=1)
@@ -330,21 +337,16 @@ def test_auto_takes_int4w_over_a_faster_timed_bf16(real_model, monkeypatch):
     """int4w runs bf16's matmuls above its rows and codes measured faster at or below: bf16 beating it on the
     start-up timing is noise on the shared lm_head (here: int4w slowed on purpose, and fp32 a little, so that
     bf16 times fastest on any CPU: on an AVX2-only one oneDNN does not prepack bf16 and fp32 wins outright)."""
-    import time as time_module
-
     monkeypatch.setenv("KVSERVE_INT4_ROWS", "4")
     int4_max_rows.cache_clear()
     try:
         cpu = torch.device("cpu")
 
-        def slowed(g, seconds):
-            return dataclasses.replace(g, linear=lambda x, w: (time_module.sleep(seconds), g.linear(x, w))[1])
-
         fp32 = gemm_for("fp32", cpu, "onednn")
         gemms = {"fp32": slowed(fp32, 0.004), "bf16": dataclasses.replace(fp32, mode="bf16"),
                  "int4w": slowed(gemm_for("int4w", cpu, "onednn"), 0.012)}
-        choice = choose(model_shapes(real_model.config)[:2] + model_shapes(real_model.config)[-1:], cpu,
-                        "onednn", candidates=("fp32", "bf16", "int4w"), gemms=gemms, repeats=1)
+        choice = choose(timing_shapes(real_model.config), cpu, "onednn", candidates=("fp32", "bf16", "int4w"),
+                        gemms=gemms, repeats=1)
         assert choice.timings_ms["bf16"] < choice.timings_ms["int4w"]
         assert choice.mode == "int4w" and "int4w over bf16" in choice.why
     finally:
