@@ -6,7 +6,9 @@
 Kernel: a pool shaped like the model (layers, heads, kv heads, head_dim from its config) in each KV dtype, `--seqs`
 decode rows of `--context` tokens each on scattered 16-token pages; one call per layer is one decode step's
 attention. Each (ISA, dtype) is timed in interleaved rounds; the figure is the median. KV read per step and its
-rate are printed with it.
+rate are printed with it. The pool sits on huge pages where the kernel gives them (inference.hugepages, as the
+engine's does); its bytes copied to plain 4 KB pages are timed in the same rounds under the best ISA (the TLB's
+share of the kernel's time).
 Step (unless --no-step): the real engine in `--precision` over each KV dtype, `--seqs` prompts of `--context` tokens
 prefilled once, then decode steps timed in interleaved rounds: the kernel's fraction of a decode step.
 Ends with one JSON line (ms per ISA and dtype, ratios, fractions, CPU flags, threads).
@@ -14,11 +16,13 @@ Ends with one JSON line (ms per ISA and dtype, ratios, fractions, CPU flags, thr
 import argparse
 import random
 import time
+from types import SimpleNamespace
 
 import torch
 
 from bench.common import chat_prompts, cpu_flags, emit_json, log, median, print_table
 from inference import native
+from inference.hugepages import huge_share, thp_mode
 from inference.kv_cache import PagePool, cdiv, pool_rows
 from inference.threads import threads_set
 
@@ -43,6 +47,13 @@ def kernel_case(layers, h, kvh, d, seqs, context, seed=0, dtype=torch.float32):
     q = torch.randn(seqs, h, d)
     i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
     return pool, q, tables, i32([context] * seqs), i32(list(range(seqs))), i32([1] * seqs)
+
+
+def small_pages_copy(pool) -> SimpleNamespace:
+    """`pool`'s bytes in plain memory (4 KB pages where THP is `madvise`), for time_kernel_step."""
+    data = torch.empty(pool.data.shape, dtype=pool.data.dtype)
+    data.copy_(pool.data)
+    return SimpleNamespace(data=data, num_layers=pool.num_layers)
 
 
 def time_kernel_step(pool, q, tables, lens, starts, qlens) -> float:
@@ -118,26 +129,34 @@ def main(argv=None) -> int:
     kv_bytes = {d: 2 * args.seqs * args.context * shape["kvh"] * shape["layers"] * cases[d][0].data.shape[-1] *
                 cases[d][0].data.element_size() for d in dtypes}  # an int8 row: its codes and its scale
     combos = [(n, d) for d in dtypes for n in names]
-    log(f"bench.attention: {args.seqs} x {args.context} tokens, {shape}, ISAs {names}, pools {dtypes}, "
+    best = names[-1]
+    # the same pools' bytes on 4 KB pages (plain memory), timed beside the pools' own huge pages under the best ISA
+    small = {d: (small_pages_copy(cases[d][0]),) + cases[d][1:] for d in dtypes}
+    huge = {d: huge_share(cases[d][0].data) for d in dtypes}
+    log(f"bench.attention: {args.seqs} x {args.context} tokens, {shape}, ISAs {names}, pools {dtypes} "
+        f"(huge pages: {', '.join(f'{d} {f:.0%}' for d, f in huge.items())}; THP {thp_mode() or 'absent'}), "
         f"{torch.get_num_threads()} threads, flags {' '.join(cpu_flags())}")
-    for n, d in combos:  # warm
+    timed = [(n, d, cases[d]) for n, d in combos] + [(best, f"{d}/4k", small[d]) for d in dtypes]
+    for n, _, case in timed:  # warm
         native.set_isa(n)
-        time_kernel_step(*cases[d])
-    kt = {c: [] for c in combos}
+        time_kernel_step(*case)
+    kt = {(n, d): [] for n, d, _ in timed}
     for _ in range(args.repeats):
-        for n, d in combos:
+        for n, d, case in timed:
             native.set_isa(n)
-            kt[(n, d)].append(time_kernel_step(*cases[d]))
+            kt[(n, d)].append(time_kernel_step(*case))
     native.set_isa("")
     kernel = {c: median(v) for c, v in kt.items()}
     step = engine_steps(model, args.seqs, args.context, dtypes, args.precision, max(3, args.repeats // 2)) \
         if model else {}
-    best = names[-1]
     rows = [dict(isa=n, kv_dtype=d, kernel_ms_per_step=kernel[(n, d)] * 1e3,
                  kv_gb_s=kv_bytes[d] / kernel[(n, d)] / 1e9,
                  step_ms=step[d] * 1e3 if n == best and d in step else float("nan"),
                  kernel_fraction_of_step=kernel[(n, d)] / step[d] if n == best and d in step else float("nan"))
             for n, d in combos]
+    rows += [dict(isa=best, kv_dtype=f"{d} (4 KB pages)", kernel_ms_per_step=kernel[(best, f"{d}/4k")] * 1e3,
+                  kv_gb_s=kv_bytes[d] / kernel[(best, f"{d}/4k")] / 1e9, step_ms=float("nan"),
+                  kernel_fraction_of_step=float("nan")) for d in dtypes]
     print_table(rows, title=f"bench.attention: {args.seqs} decode rows x {args.context} tokens, {shape['layers']} "
                             f"layers, step in {args.precision}, medians of {args.repeats}")
     out = dict(quick=args.quick, seqs=args.seqs, context=args.context, **shape, threads=torch.get_num_threads(),
@@ -145,7 +164,13 @@ def main(argv=None) -> int:
                **{f"kernel_ms_{n}_{d}": kernel[(n, d)] * 1e3 for n, d in combos},
                **{f"kv_gb_s_{n}_{d}": kv_bytes[d] / kernel[(n, d)] / 1e9 for n, d in combos},
                **{f"step_ms_{d}": step[d] * 1e3 for d in step},
-               **{f"kernel_fraction_{d}": kernel[(best, d)] / step[d] for d in step})
+               **{f"kernel_fraction_{d}": kernel[(best, d)] / step[d] for d in step},
+               thp=thp_mode(), **{f"huge_page_share_{d}": huge[d] for d in dtypes},
+               **{f"kernel_ms_4k_{d}": kernel[(best, f"{d}/4k")] * 1e3 for d in dtypes},
+               **{f"speedup_hugepages_{d}": kernel[(best, f"{d}/4k")] / kernel[(best, d)] for d in dtypes})
+    for d in dtypes:
+        print(f"4 KB -> huge pages ({huge[d]:.0%} of the pool): kernel {out[f'speedup_hugepages_{d}']:.2f}x faster per "
+              f"decode step ({d} pool, {best})")
     if len(names) > 1:
         out["speedup_isa"] = kernel[(names[0], dtypes[0])] / kernel[(best, dtypes[0])]
         print(f"{names[0]} -> {best}: kernel {out['speedup_isa']:.2f}x faster per decode step ({dtypes[0]} pool)")

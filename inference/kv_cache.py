@@ -1,7 +1,7 @@
-"""The KV page pool: one preallocated, pre-faulted tensor in which a page is contiguous across
-layers, K and V, so that scrubbing a page is one indexed fill. Its dtype is the model's, bf16 under a
-reduced precision, or int8 when asked for (inference.precision.kv_dtype_for): export, import, checksums and scrub
-work on its bytes.
+"""The KV page pool: one preallocated, pre-faulted tensor (on huge pages where Linux gives them: inference.hugepages)
+in which a page is contiguous across layers, K and V, so that scrubbing a page is one indexed fill. Its dtype is the
+model's, bf16 under a reduced precision, or int8 when asked for (inference.precision.kv_dtype_for): export, import,
+checksums and scrub work on its bytes.
 
 Layout: data[page, layer, k_or_v, offset, kv_head, row]. A row is head_dim values; in an int8 pool head_dim codes
 and then their fp32 scale in 4 bytes (value = code x scale, scale = max |x| / 127 of the row: quantize_rows), so
@@ -13,6 +13,7 @@ import hashlib
 import torch
 
 from inference.arith import cdiv  # noqa: F401  (re-exported: the pool's users size pages with it)
+from inference.hugepages import huge_zeros
 
 
 class PagePool:
@@ -26,8 +27,11 @@ class PagePool:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.null_page = num_pages
-        self.data = torch.empty(num_pages + 1, num_layers, 2, page_size, num_kv_heads, row_width(head_dim, dtype),
-                                dtype=dtype, device=device)
+        shape = (num_pages + 1, num_layers, 2, page_size, num_kv_heads, row_width(head_dim, dtype))
+        # on the CPU in 2 MB pages where the kernel gives them (inference.hugepages: a step reads pages scattered
+        # over all of it)
+        self.data = huge_zeros(shape, dtype) if torch.device(device).type == "cpu" else \
+            torch.empty(shape, dtype=dtype, device=device)
         self.data.fill_(0)  # touch every page now: first-touch faults would otherwise land on the hot path
         self.num_scrubbed = 0  # pages zeroed since start (a metric: kvserve_scrubbed_pages_total)
 

@@ -75,3 +75,17 @@ def test_engine_quick_without_hf_ends_with_one_json_line_and_null_ratios():
     assert result["ratio_decode_c32"] is None and result["ratio_prefill"] is None and result["hf_decode_tok_s_b1"] is None
     assert result["targets_met"] == dict.fromkeys(("ratio_decode_c32", "ratio_decode_c1", "ratio_prefill"))
     assert result["precision"] == "fp32"
+
+
+def test_attention_quick_times_the_pool_on_huge_and_on_4kb_pages_and_ends_with_one_json_line():
+    proc = subprocess.run([sys.executable, "-m", "bench.attention", "--quick", "--no-step", "--kv-dtypes",
+                           "bfloat16,int8"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["kv_dtypes"] == ["bfloat16", "int8"] and isinstance(result["cpu_flags"], list)
+    best = result["isas"][-1]
+    for d in ("bfloat16", "int8"):
+        for key in (f"kernel_ms_{best}_{d}", f"kernel_ms_4k_{d}", f"speedup_hugepages_{d}"):
+            assert isinstance(result[key], (int, float)) and result[key] > 0, (key, result[key])
+        # the pool the bench times is the engine's own PagePool: on huge pages wherever the kernel gives them
+        assert result[f"huge_page_share_{d}"] > 0.5 or result["thp"] not in ("always", "madvise"), result
