@@ -6,7 +6,7 @@ REQ_HASH := $(shell cat requirements.txt requirements-model.txt | sha256sum | cu
 STAMP := $(VENV)/.installed-$(REQ_HASH)
 # the CPU paged-attention kernel (C++, built against the installed torch; ~15-60 s on 2 cores)
 NATIVE_STAMP := inference/native/build/.built
-NATIVE_SRC := inference/native/paged_attention.cpp inference/native/fused.cpp inference/native/quant.cpp inference/native/layer.cpp inference/native/pool.cpp inference/native/pool.h inference/native/cap.h inference/native/arith.h inference/native/__init__.py
+NATIVE_SRC := inference/native/paged_attention.cpp inference/native/fused.cpp inference/native/quant.cpp inference/native/layer.cpp inference/native/pool.cpp inference/native/prefill.cpp inference/native/pool.h inference/native/cap.h inference/native/arith.h inference/native/expo.h inference/native/__init__.py
 
 .PHONY: install run test bench redis postgres promtool
 

@@ -99,32 +99,68 @@ def _gather(kv, layer, tables, which, dtype):
     return flat.transpose(-3, -2)
 
 
+FRESH_KINDS = ("fp32", "sdpa-bf16", "native-bf16")
+NATIVE_PREFILL_DIMS = (32, 64, 128)  # the head dims prefill_attention_bf16 is built for
+BF16_CLEAR_WIN = 0.8  # a bf16 path is taken only this much faster than fp32: its rounding must buy time
+
+
 @lru_cache(maxsize=1)
-def bf16_sdpa_faster() -> bool:
-    """Whether torch's causal SDPA on this CPU runs a prompt faster in bf16 than in fp32 (AMX: ~3x at 500 tokens;
-    AVX-512 without AMX or AVX2 alone: no faster), timed once per process on a 384-token, 9-head product."""
+def fresh_bf16_kind() -> str:
+    """How a fresh prompt attends over a bf16 pool on this CPU: `native-bf16` (inference.native's
+    prefill_attention_bf16: AVX512-BF16 dot products; ~2x torch's fp32 SDPA on a Zen 4 EPYC, where torch's bf16 SDPA
+    is no faster), `sdpa-bf16` (torch's SDPA in bf16: ~3x fp32 on AMX) or `fp32` (torch's SDPA in fp32, where neither
+    bf16 path is a clear win: AVX2, or AVX-512 without bf16 instructions). Timed once per process on a 384-token,
+    9-head product (3 KV heads, head_dim 64), alternating, best of two rounds; logged."""
+    from inference import native
+
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, h, 384, 64, generator=gen) for h in (9, 3, 3))
+    q, k, v = (torch.randn(384, h, 64, generator=gen) for h in (9, 3, 3))
+    heads_first = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
+    out = torch.empty_like(q)
+    runs = {"fp32": lambda: causal_sdpa(*heads_first),
+            "sdpa-bf16": lambda: causal_sdpa(*(t.to(torch.bfloat16) for t in heads_first))}
+    if native.prefill_bf16_available():
+        runs["native-bf16"] = lambda: native.prefill_attention_bf16(out, q, k, v, 0.125)
     best = {}
-    for dtype in (torch.float32, torch.bfloat16, torch.float32, torch.bfloat16):
-        args = [t.to(dtype) for t in (q, k, v)]
-        t0 = time.perf_counter()
-        for _ in range(3):
-            F.scaled_dot_product_attention(*args, is_causal=True, enable_gqa=True)
-        best[dtype] = min(best.get(dtype, math.inf), time.perf_counter() - t0)
-    faster = best[torch.bfloat16] < 0.8 * best[torch.float32]
-    log.info("a fresh prompt's attention over a bf16 pool runs in %s (bf16 %.2f ms, fp32 %.2f ms per 3 calls)",
-             "bf16" if faster else "fp32", best[torch.bfloat16] * 1e3, best[torch.float32] * 1e3)
-    return faster
+    for _ in range(2):
+        for kind, run in runs.items():
+            t0 = time.perf_counter()
+            for _ in range(3):
+                run()
+            best[kind] = min(best.get(kind, math.inf), time.perf_counter() - t0)
+    kind = fresh_kind_pick(best)
+    log.info("a fresh prompt's attention over a bf16 pool runs %s (%s per 3 calls)", kind,
+             ", ".join(f"{name} {best[name] * 1e3:.2f} ms" for name in runs))
+    return kind
+
+
+def fresh_kind_pick(seconds: dict) -> str:
+    """The fastest bf16 path of those timed (`seconds`: kind -> time, fp32's included) where it beats fp32 by
+    BF16_CLEAR_WIN, else fp32."""
+    bf16 = [kind for kind in seconds if kind != "fp32"]
+    if not bf16:
+        return "fp32"
+    fastest = min(bf16, key=seconds.get)
+    return fastest if seconds[fastest] < BF16_CLEAR_WIN * seconds["fp32"] else "fp32"
 
 
 def _fresh_attention(out, q, k, v, batch, kv_dtype: torch.dtype):
-    """A fresh prompt attends its own K/V. Over a bf16 pool on a CPU where bf16 SDPA is faster, it attends them
-    as the pool holds them, in bf16 (softmax and sums in fp32 inside the kernel; q rounded to bf16 too)."""
-    dtype = torch.bfloat16 if (kv_dtype == torch.bfloat16 and q.dtype == torch.float32 and q.device.type == "cpu"
-                               and batch.fresh and bf16_sdpa_faster()) else q.dtype
+    """A fresh prompt attends its own K/V. Over a bf16 pool on the CPU, where a bf16 path is faster
+    (fresh_bf16_kind), it attends them as the pool holds them, rounded to bf16 (q too), softmax and sums in fp32."""
+    kind = fresh_bf16_kind() if (kv_dtype == torch.bfloat16 and q.dtype == torch.float32 and q.device.type == "cpu"
+                                 and batch.fresh) else "fp32"
+    if kind == "native-bf16" and q.shape[-1] not in NATIVE_PREFILL_DIMS:
+        kind = "fp32"
     for s in batch.fresh:
         rows = slice(s.row_start, s.row_start + s.num_rows)
+        if kind == "native-bf16":
+            from inference import native
+
+            part = torch.empty_like(q[rows])
+            native.prefill_attention_bf16(part, *(x[rows].contiguous() for x in (q, k, v)), q.shape[-1] ** -0.5)
+            out[rows] = part
+            continue
+        dtype = torch.bfloat16 if kind == "sdpa-bf16" else q.dtype
         qp, kp, vp = (x[rows].transpose(0, 1).unsqueeze(0).to(dtype) for x in (q, k, v))
         out[rows] = causal_sdpa(qp, kp, vp).squeeze(0).transpose(0, 1)
 

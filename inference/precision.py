@@ -41,7 +41,7 @@ class Contract:
 # residual. Over SmolLM2's 30 layers that moves logits (magnitude ~20) by under 1 (measured on test_precision's 8
 # prompts x 16 tokens, read back through the pool: max 0.65) and flips the argmax only where fp32's top two are
 # near-tied (measured agreement 0.969, 124/128; 0.953 and 0.65 where, on an AMX CPU, a prompt's own attention runs in
-# bf16 over that pool: inference.attention.bf16_sdpa_faster); 0.9 / 3.0 leave room for other prompts and oneDNN builds
+# bf16 over that pool: inference.attention.fresh_bf16_kind); 0.9 / 3.0 leave room for other prompts and oneDNN builds
 # and still fail a wrong kernel (int8-cast weights: agreement ~0, logits off by tens). The kernel bound: one bf16 matmul
 # on random data errs ~3e-3 relative; 2e-2 is 6x that, while garbage is ~1. fp16w stores weights in fp16 (10-bit
 # mantissa) and multiplies in fp32: ~8x tighter than bf16 (measured: max 0.04, agreement 0.992 - one near-tie of 128),

@@ -1,6 +1,7 @@
-"""The native CPU kernels: paged attention (paged_attention.cpp), the fused elementwise ops of a layer
-(fused.cpp: RMSNorm; RoPE with the K/V pool write; the greedy rows' argmax), precision w4a8's integer matmul of
-the file's own weight blocks (quant.cpp) and a w4a8 decode step's decoder layers in one call (layer.cpp), built by
+"""The native CPU kernels: paged attention (paged_attention.cpp), a fresh prompt's attention in bf16 dot products
+(prefill.cpp), the fused elementwise ops of a layer (fused.cpp: RMSNorm; RoPE with the K/V pool write; the greedy
+rows' argmax), precision w4a8's integer matmul of the file's own weight blocks (quant.cpp) and a w4a8 decode step's
+decoder layers in one call (layer.cpp), built by
 `make install` (`python -m inference.native`) into inference/native/build/ as one library, loaded here as
 torch.ops.kvserve_paged.
 
@@ -26,8 +27,9 @@ from inference.settings import attn_isa_setting
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
-SOURCES = (HERE / "paged_attention.cpp", HERE / "fused.cpp", HERE / "quant.cpp", HERE / "layer.cpp", HERE / "pool.cpp")
-HEADERS = (HERE / "pool.h", HERE / "cap.h", HERE / "arith.h")
+SOURCES = (HERE / "paged_attention.cpp", HERE / "fused.cpp", HERE / "quant.cpp", HERE / "layer.cpp", HERE / "pool.cpp",
+           HERE / "prefill.cpp")
+HEADERS = (HERE / "pool.h", HERE / "cap.h", HERE / "arith.h", HERE / "expo.h")
 BUILD_DIR = HERE / "build"
 CFLAGS = ["-O3", "-fopenmp", "-fopenmp-simd", "-std=c++17"]
 LDFLAGS = ["-fopenmp"]
@@ -90,6 +92,17 @@ def paged_attention(out, q, pool, layer, tables, context_lens, query_start, quer
         raise RuntimeError(f"the paged-attention kernel is not available: {load_error()}")
     torch.ops.kvserve_paged.paged_attention(out, q, pool, layer, tables, context_lens, query_start, query_len, scale)
 
+
+
+def prefill_bf16_available() -> bool:
+    """Whether prefill_attention_bf16 runs here: the library loaded, AVX-512 not capped away, AVX512-BF16."""
+    return bool(fused_available() and torch.ops.kvserve_paged.prefill_bf16_available())
+
+
+def prefill_attention_bf16(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> None:
+    """A fresh prompt's causal attention into out [T, H, D] (prefill.cpp): q [T, H, D], k, v [T, KVH, D], all fp32
+    and contiguous, rounded to bf16 and multiplied in bf16 dot products with fp32 sums (head_dim 32, 64 or 128)."""
+    torch.ops.kvserve_paged.prefill_attention_bf16(out, q, k, v, scale)
 
 
 def attention_parts(keys: list[int]) -> list[int]:

@@ -37,6 +37,7 @@
 
 #include "arith.h"
 #include "cap.h"
+#include "expo.h"
 #include "pool.h"
 
 namespace {
@@ -83,8 +84,8 @@ KVS_INLINE float kv_load(const bf16_t* p, int64_t i) {
   return f;
 }
 
-// e^r's Taylor coefficients, highest degree first (Horner), for every build's exp_nonpositive
-constexpr float kExpTaylor[8] = {1.0f / 5040.0f, 1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f};
+using kvs::exp512_nonpositive;
+using kvs::kExpTaylor;
 
 // e^x for x <= 0 (scores minus their max), vectorizable: x = n ln2 + r, |r| <= ln2 / 2, e^r by its
 // Taylor series to degree 7 (relative error < 1e-7 before float rounding), 2^n by building the float.
@@ -504,17 +505,6 @@ void run_unit_avx2(const Problem<KV>& p, const Unit& u) {
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512dq,avx512vl,avx512bw,avx2,fma,bmi2")
-
-// e^x for x <= 0 on 16 lanes: the scalar exp_nonpositive's reduction and polynomial, 2^n by scalef.
-KVS_INLINE __m512 exp512_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(t, _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));
-  __m512 q = _mm512_set1_ps(kExpTaylor[0]);
-  for (int i = 1; i < 8; ++i) q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(kExpTaylor[i]));
-  return _mm512_scalef_ps(q, n);
-}
 
 // 16 (or fewer, masked) K or V values of one row as fp32 lanes; kFull: all 16, unmasked loads
 template <bool kFull>

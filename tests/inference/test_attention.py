@@ -193,13 +193,16 @@ def test_kernel_and_rope_store_refuse_int8_rows_without_their_scale():
                           torch.tensor([1, 2]), torch.tensor([0, 0]), 4, 2)
 
 
-@pytest.mark.parametrize("bf16_faster", [False, True])
+FRESH_KINDS = [k for k in attention.FRESH_KINDS if k != "native-bf16" or native.prefill_bf16_available()]
+
+
+@pytest.mark.parametrize("kind", FRESH_KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_fresh_prompt_over_a_bf16_pool_attends_in_bf16_only_where_that_is_faster(monkeypatch, bf16_faster, dtype):
-    """Where bf16 SDPA measured faster (AMX), a fresh chunk over a bf16 pool attends its K/V as the pool holds them,
-    in bf16: within bf16's rounding of the fp32 product, not equal to it; elsewhere, and over an fp32 pool, fp32's
-    own numbers."""
-    monkeypatch.setattr(attention, "bf16_sdpa_faster", lambda: bf16_faster)
+def test_a_fresh_prompt_over_a_bf16_pool_attends_in_bf16_only_where_that_is_faster(monkeypatch, kind, dtype):
+    """Where a bf16 path measured faster (torch's bf16 SDPA on AMX, the native bf16 kernel on AVX512-BF16), a fresh
+    chunk over a bf16 pool attends its K/V as the pool holds them, in bf16: within bf16's rounding of the fp32
+    product, not equal to it; elsewhere, and over an fp32 pool, fp32's own numbers."""
+    monkeypatch.setattr(attention, "fresh_bf16_kind", lambda: kind)
     pool, batch, q, k, v = random_case(9, 3, 64, seed=5, dtype=dtype)
     for backend in ("native", "sdpa"):
         out = BACKENDS[backend](q, k, v, pool, 0, AttentionBatch(**{**batch.__dict__, "cache": {}}))
@@ -207,8 +210,29 @@ def test_a_fresh_prompt_over_a_bf16_pool_attends_in_bf16_only_where_that_is_fast
             rows = slice(s.row_start, s.row_start + s.num_rows)
             ref = attention.causal_sdpa(*(x[rows].transpose(0, 1).unsqueeze(0) for x in (q, k, v)))
             got = out[rows].transpose(0, 1).unsqueeze(0)
-            if bf16_faster and dtype == torch.bfloat16:
+            if kind != "fp32" and dtype == torch.bfloat16:
                 assert got.dtype == torch.float32 and not torch.equal(got, ref)
                 torch.testing.assert_close(got, ref, rtol=3e-2, atol=3e-2)
             else:
                 assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("seconds,kind", [
+    ({"fp32": 10.0, "sdpa-bf16": 10.5, "native-bf16": 5.0}, "native-bf16"),  # Zen 4: 10.57 / 11.14 / 5.23 ms
+    ({"fp32": 10.0, "sdpa-bf16": 3.3, "native-bf16": 5.0}, "sdpa-bf16"),  # AMX: torch's bf16 SDPA ~3x
+    ({"fp32": 10.0, "sdpa-bf16": 9.0, "native-bf16": 8.5}, "fp32"),  # no clear win: bf16's rounding buys nothing
+    ({"fp32": 10.0, "sdpa-bf16": 7.0}, "sdpa-bf16"),  # no AVX512-BF16: the native kernel is not timed
+    ({"fp32": 10.0}, "fp32"),
+])
+def test_a_fresh_prompt_takes_the_fastest_bf16_path_only_where_it_clearly_wins(seconds, kind):
+    assert attention.fresh_kind_pick(seconds) == kind
+
+
+def test_the_start_time_choice_times_every_path_this_cpu_runs_and_picks_by_the_rule(monkeypatch, caplog):
+    seen = {}
+    monkeypatch.setattr(attention, "fresh_kind_pick", lambda s: seen.update(s) or "fp32")
+    with caplog.at_level(logging.INFO, logger="inference.attention"):
+        assert attention.fresh_bf16_kind.__wrapped__() == "fp32"
+    assert set(seen) == {"fp32", "sdpa-bf16"} | ({"native-bf16"} if native.prefill_bf16_available() else set())
+    assert all(t > 0 for t in seen.values())
+    assert "a fresh prompt's attention over a bf16 pool runs fp32" in caplog.text
