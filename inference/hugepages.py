@@ -6,6 +6,7 @@ hundreds of them. Linux gives an anonymous mapping huge pages where the process 
 `madvise` or `always` (/sys/kernel/mm/transparent_hugepage/enabled); elsewhere this is plain memory.
 """
 import logging
+import math
 import mmap
 import re
 
@@ -30,10 +31,7 @@ def thp_mode() -> str:
 def huge_zeros(shape, dtype: torch.dtype) -> torch.Tensor:
     """A zero CPU tensor of `shape` on a private anonymous mapping advised for huge pages (falls back to
     torch.zeros under 2 MB or without mmap's MADV_HUGEPAGE). The mapping lives as long as the tensor's storage."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if nbytes < HUGE or advice is None or thp_mode() not in ("always", "madvise"):
         return torch.zeros(shape, dtype=dtype)
