@@ -30,7 +30,9 @@ How decode tok/s excludes prefill
     `hf_goodput_tok_s_b32` counts only the tokens the requests asked for, sum(max_tokens_i - 1),
     which is what kvserve's figure counts (`ratio_decode_c32_goodput`).
   * prefill tok/s = prompt tokens / time to first token (kvserve: add_request + steps until the
-    first token; HF: generate with max_new_tokens=1).
+    first token; HF: generate with max_new_tokens=1). A prefill takes a fraction of a second, so each
+    round runs `--prefill-pairs` (5) of them, kvserve and HF alternately; the round's figure is the median
+    of its prefills, and ratio_prefill the median of every pair's kvserve/HF ratio.
 
 Precision (`--precision`, inference.precision): the first mode listed is "kvserve" in every figure and
 ratio above; each further mode gets its own engine on the same LoadedModel, measured in the same rounds
@@ -164,6 +166,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="small smoke run (fewer prompts and tokens, 1 round)")
     parser.add_argument("--no-hf", action="store_true", help="kvserve only (ratios are then null)")
+    parser.add_argument("--prefill-pairs", type=int, default=5,
+                        help="prefills a round, kvserve and HF alternately (the round's figure: their median)")
     parser.add_argument("--threads", type=int, help="torch threads for both systems (default: all CPUs)")
     parser.add_argument("--precision", default="fp32",
                         help="comma-separated kvserve precisions (fp32, bf16, fp16w, auto); the first is compared "
@@ -201,12 +205,19 @@ def main(argv=None) -> int:
 
     runs = {k: [] for k in ("kv_prefill", "kv_c1", "kv_c32", "hf_prefill", "hf_b1", "hf_b32", "hf_b32_goodput",
                             *(f"kv_{f}_{m}" for m in others for f in ("prefill", "c1", "c32")))}
+    prefill_pairs = 1 if args.quick else args.prefill_pairs
+    prefill_ratios = []  # kvserve / HF of each prefill pair
     for r in range(repeats):
         gc.collect()
-        runs["kv_prefill"].append(kvserve_prefill(engine, w["prefill_prompt"])["tok_s"])
+        kv_pf, hf_pf = [], []  # prefill pairs, back to back: a prefill is a fraction of a second, one sample is noise
+        for _ in range(prefill_pairs):
+            kv_pf.append(kvserve_prefill(engine, w["prefill_prompt"])["tok_s"])
+            if hf is not None:
+                hf_pf.append(len(w["prefill_prompt"]) / hf_generate(hf, [w["prefill_prompt"]], 1, pad_id)["ttft"])
+        runs["kv_prefill"].append(median(kv_pf))
         if hf is not None:
-            res = hf_generate(hf, [w["prefill_prompt"]], 1, pad_id)
-            runs["hf_prefill"].append(len(w["prefill_prompt"]) / res["ttft"])
+            runs["hf_prefill"].append(median(hf_pf))
+            prefill_ratios.extend(k / h for k, h in zip(kv_pf, hf_pf))
         runs["kv_c1"].append(kvserve_decode(engine, [w["c1_prompt"]], [w["c1_new"]])["tok_s"])
         if hf is not None:
             runs["hf_b1"].append(hf_generate(hf, [w["c1_prompt"]], w["c1_new"], pad_id)["decode_tok_s"])
@@ -217,7 +228,8 @@ def main(argv=None) -> int:
             runs["hf_b32"].append(res["decode_tok_s"])
             runs["hf_b32_goodput"].append(res["goodput_tok_s"])
         for m, e in others.items():
-            runs[f"kv_prefill_{m}"].append(kvserve_prefill(e, w["prefill_prompt"])["tok_s"])
+            runs[f"kv_prefill_{m}"].append(median([kvserve_prefill(e, w["prefill_prompt"])["tok_s"]
+                                                   for _ in range(prefill_pairs)]))
             runs[f"kv_c1_{m}"].append(kvserve_decode(e, [w["c1_prompt"]], [w["c1_new"]])["tok_s"])
             runs[f"kv_c32_{m}"].append(kvserve_decode(e, prompts, max_tokens)["tok_s"])
         log(f"round {r + 1}/{repeats}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in runs.items() if v)
@@ -236,7 +248,7 @@ def main(argv=None) -> int:
         kvserve_prefill_tok_s_500=med["kv_prefill"],
         hf_decode_tok_s_b1=med["hf_b1"], hf_decode_tok_s_b32=med["hf_b32"], hf_prefill_tok_s_500=med["hf_prefill"],
         ratio_decode_c32=ratio("kv_c32", "hf_b32"), ratio_decode_c1=ratio("kv_c1", "hf_b1"),
-        ratio_prefill=ratio("kv_prefill", "hf_prefill"),
+        ratio_prefill=median(prefill_ratios) if prefill_ratios else None, prefill_pairs=prefill_pairs,
         hf_goodput_tok_s_b32=med["hf_b32_goodput"], ratio_decode_c32_goodput=ratio("kv_c32", "hf_b32_goodput"),
         repeats=repeats, quick=args.quick, threads=torch.get_num_threads(), num_prompts=len(prompts),
         prefill_prompt_tokens=len(w["prefill_prompt"]), seconds=round(time.perf_counter() - started, 1),

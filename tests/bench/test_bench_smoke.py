@@ -75,6 +75,7 @@ def test_engine_quick_without_hf_ends_with_one_json_line_and_null_ratios():
     assert result["ratio_decode_c32"] is None and result["ratio_prefill"] is None and result["hf_decode_tok_s_b1"] is None
     assert result["targets_met"] == dict.fromkeys(("ratio_decode_c32", "ratio_decode_c1", "ratio_prefill"))
     assert result["precision"] == "fp32"
+    assert result["prefill_pairs"] == 1  # --quick: one prefill a round (a full run: 5, alternating with HF's)
 
 
 def test_attention_quick_times_the_pool_on_huge_and_on_4kb_pages_and_ends_with_one_json_line():
