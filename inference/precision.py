@@ -470,25 +470,45 @@ def model_shapes(config) -> list[tuple[int, int]]:
             (c.hidden_size, c.intermediate_size), (c.vocab_size, c.hidden_size)]
 
 
-def _time_candidate(gemm: Gemm, pairs, repeats: int, give_up_ms: float = float("inf")) -> float:
-    """Median ms over `repeats` of all (activation, packed weight) products, after two warm-up passes (the
-    first JITs oneDNN's primitives). A candidate whose second warm-up pass is over `give_up_ms` is plainly
-    slower than one timed already: that pass stands as its time (bounds auto's cost)."""
-    def once():
-        t0 = time.perf_counter()
-        for x, w in pairs:
-            gemm.linear(x, w)
-        return (time.perf_counter() - t0) * 1e3
-    once()
-    second = once()
-    if second > give_up_ms:
-        return second
-    return statistics.median(once() for _ in range(repeats))
+def _pass_ms(gemm: Gemm, pairs) -> float:
+    """ms for all (activation, packed weight) products once."""
+    t0 = time.perf_counter()
+    for x, w in pairs:
+        gemm.linear(x, w)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _time_candidates(runs: dict, repeats: int) -> dict:
+    """Median ms per mode and row count of `runs` (mode -> (Gemm, {rows: pairs}); the first mode is the
+    yardstick). Two warm-up passes each (the first JITs oneDNN's primitives); a mode whose second pass at any row
+    count is over 3x the yardstick's is plainly slower: that pass stands as its time (bounds auto's cost). The
+    others are timed in `repeats` rounds, every mode once a round in turn, so a burst of load from another process
+    (the other workers of a host start together) lands on every candidate alike, not on one candidate's window."""
+    timed, live, base = {}, [], None
+    for mode, (gemm, pairs) in runs.items():
+        second = {}
+        for rows, p in pairs.items():
+            _pass_ms(gemm, p)
+            second[rows] = _pass_ms(gemm, p)
+        base = base or second
+        if any(second[r] > 3 * base[r] for r in second):
+            timed[mode] = second
+        else:
+            live.append(mode)
+    samples = {mode: {rows: [] for rows in runs[mode][1]} for mode in live}
+    for _ in range(repeats):
+        for mode in live:
+            gemm, pairs = runs[mode]
+            for rows, p in pairs.items():
+                samples[mode][rows].append(_pass_ms(gemm, p))
+    timed.update({mode: {rows: statistics.median(v) for rows, v in by_rows.items()} for mode, by_rows in samples.items()})
+    return timed
 
 
 def choose(shapes, device: torch.device, fp32_kernel: str, *, candidates=MODES, repeats: int = 5,
            contracts: dict | None = None, gemms=None) -> Choice:
-    """Times each candidate on `shapes` at 1 and 32 rows, the two weighed alike; a candidate that raises, or whose matmul errs past its
+    """Times each candidate on `shapes` at 1 and 32 rows, the two weighed alike, in interleaved rounds
+    (_time_candidates); a candidate that raises, or whose matmul errs past its
     contract's `max_kernel_rel_err` against fp32, is out. The fastest left wins; fp32 is always left (it is the
     reference: if even it raises, that raises). A mode with `pack_group` (int4w, w4a8) packs every weight but the
     last (model_shapes' lm_head, which no file holds as 4-bit groups) from min/max codes of it, against the codes'
@@ -497,7 +517,7 @@ def choose(shapes, device: torch.device, fp32_kernel: str, *, candidates=MODES, 
     gen = torch.Generator().manual_seed(0)
     weights = [(torch.randn(n, k, generator=gen) / k ** 0.5).to(device) for n, k in shapes]
     inputs = {rows: [torch.randn(rows, k, generator=gen).to(device) for _, k in shapes] for rows in (1, 32)}
-    timings, notes, base_rows = {}, [], None
+    timings, notes, runs = {}, [], {}
     with torch.inference_mode():
         for mode in candidates:
             gemm = (gemms or {}).get(mode) or gemm_for(mode, device, fp32_kernel)
@@ -514,18 +534,21 @@ def choose(shapes, device: torch.device, fp32_kernel: str, *, candidates=MODES, 
                           for rows in inputs for x, p, ref in zip(inputs[rows], packs, reference[rows]))
                 if not err <= contracts[mode].max_kernel_rel_err:  # NaN is out too
                     raise ArithmeticError(f"matmul off by {err:.1e} relative (contract {contracts[mode].max_kernel_rel_err:g})")
-                per_rows = {rows: _time_candidate(gemm, list(zip(inputs[rows], packs)), repeats,
-                                                  3 * base_rows[rows] if base_rows else float("inf"))
-                            for rows in inputs}
-                base_rows = base_rows or per_rows  # the first mode timed (fp32) is the yardstick
-                # one stream and a batch of 32 weigh alike: each regime's time as a share of fp32's, scaled back
-                # to fp32's total ms; a plain sum would let the 32-row products decide alone
-                timings[mode] = statistics.mean(per_rows[r] / base_rows[r] for r in inputs) * sum(base_rows.values())
+                runs[mode] = (gemm, {rows: list(zip(inputs[rows], packs)) for rows in inputs})
+                timings[mode] = None  # in candidates' order; its time below
             except Exception as exc:  # an advertised ISA that is slow is timed; one that is broken is out
                 if mode == "fp32":
                     raise
                 timings[mode] = None
                 notes.append(f"{mode} out: {type(exc).__name__}: {exc}")
+        if "fp32" in runs:  # the yardstick first
+            runs = {"fp32": runs.pop("fp32"), **runs}
+        per_rows = _time_candidates(runs, repeats)
+    base_rows = per_rows[next(iter(runs))]
+    for mode, t in per_rows.items():
+        # one stream and a batch of 32 weigh alike: each regime's time as a share of fp32's, scaled back to fp32's
+        # total ms; a plain sum would let the 32-row products decide alone
+        timings[mode] = statistics.mean(t[r] / base_rows[r] for r in inputs) * sum(base_rows.values())
     timed = {m: t for m, t in timings.items() if t is not None}
     best = min(timed, key=timed.get)
     why = f"fastest of {sorted(timed)}" + (f" by {timed['fp32'] / timed[best]:.2f}x over fp32" if best != "fp32" else "")

@@ -26,6 +26,12 @@ SERVING_ROLES = (PREFILL, DECODE)
 
 # Deletes index entries whose info key has expired, atomically per id, so a worker that
 # re-registers between our read and the cleanup is never dropped from the index.
+# KEYS[1] a claim, ARGV[1] its holder's token: deleted only while that holder still has it
+_RELEASE_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
 _PRUNE_LUA = """
 local removed = 0
 for i, id in ipairs(ARGV) do
@@ -128,6 +134,7 @@ class Registry:
         self.ttl_ms = int(ttl_s * 1000)
         self._prune = redis.register_script(_PRUNE_LUA)
         self._silence = redis.register_script(_SILENCE_LUA)
+        self._release = redis.register_script(_RELEASE_LUA)
 
     def key(self, kind: str, worker_id: str | None = None) -> str:
         """The one place registry key names are built: {prefix}:workers:{kind}[:{worker_id}]."""
@@ -139,6 +146,22 @@ class Registry:
     def precision_agreed(self, scope: str) -> str | None:
         """The mode the first worker of `scope` (inference.precision.precision_scope) timed and proposed."""
         return repeat(lambda: _text(self.redis.get(self.key("precision", scope))), "reading the agreed precision")
+
+    def precision_timing_claim(self, scope: str, token: str, ttl_s: float) -> bool:
+        """Whether the caller (`token`) may time `auto` for `scope` now: one worker at a time, so the workers of a
+        host that start together do not time their candidates on each other's cores. The claim lapses after
+        `ttl_s` (a worker that died timing), then the next worker takes it."""
+        key = self.key("precision-timing", scope)
+
+        def claim() -> bool:  # ours already when a repeat follows a SET whose reply was lost
+            return bool(self.redis.set(key, token, nx=True, px=max(1, int(ttl_s * 1000)))) or \
+                _text(self.redis.get(key)) == token
+        return repeat(claim, "claiming the precision timing")
+
+    def precision_timing_release(self, scope: str, token: str) -> None:
+        """Ends `token`'s claim (never another's: one that lapsed and was taken meanwhile stays)."""
+        key = self.key("precision-timing", scope)
+        repeat(lambda: self._release(keys=[key], args=[token]), "releasing the precision timing")
 
     def precision_propose(self, scope: str, mode: str) -> str:
         """`mode` for `scope` unless another worker proposed first: the agreed mode either way (no TTL: delete

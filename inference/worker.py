@@ -243,14 +243,31 @@ class ProbeCommand:
     future: Future = field(default_factory=Future, compare=False)
 
 
-def precision_agree(registry: Registry, model, config: EngineConfig) -> str:
+PRECISION_CLAIM_TTL_S = 120.0  # how long one worker's claim to time `auto` holds (auto takes seconds)
+
+
+def precision_agree(registry: Registry, model, config: EngineConfig, *, time_choice=engine_precision,
+                    claim_ttl_s: float = PRECISION_CLAIM_TTL_S, poll_s: float = 0.2, sleep=time.sleep) -> str:
     """KVSERVE_PRECISION=auto across a deployment: the mode the first worker of this model, device and CPU
     (inference.precision.precision_scope) timed, so every prefill and decode worker of it runs one precision
-    and their handoffs match; this worker times only when none has yet."""
+    and their handoffs match. This worker times only when none has yet, and only while it holds the scope's
+    timing claim: the others wait for its proposal rather than time on the same cores at once (a host's
+    workers start together; timed side by side, one candidate's stall once made auto pick a mode 2.8x slower
+    for one stream). A claim lapses after `claim_ttl_s`, so a worker that dies timing delays the rest, no more."""
     scope = precision_scope(model.fingerprint, torch.device(config.device))
+    token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
     agreed = registry.precision_agreed(scope)
-    if agreed is None:
-        agreed = registry.precision_propose(scope, engine_precision(model, config).mode)
+    while agreed is None:
+        if registry.precision_timing_claim(scope, token, claim_ttl_s):
+            try:
+                choice = time_choice(model, config)
+                log.info("precision auto timed here: %s", choice.line())
+                agreed = registry.precision_propose(scope, choice.mode)
+            finally:
+                registry.precision_timing_release(scope, token)
+        else:
+            sleep(poll_s)
+            agreed = registry.precision_agreed(scope)
     log.info("precision auto: %s, the deployment's choice for scope %s", agreed, scope)
     return agreed
 

@@ -333,6 +333,38 @@ def test_auto_applies_the_w4a8_rule_to_what_it_timed(real_model, monkeypatch):
         assert choice.mode == expected, choice.line()
 
 
+def test_auto_times_its_candidates_in_turn_so_a_burst_of_load_does_not_decide():
+    """A burst of load as long as one candidate's timing (the other worker of a host starting, timing too) slows
+    every product for that many calls from the moment the fastest candidate's timed passes begin. Timed one
+    candidate after another, the burst would fall on every sample of that candidate and hand the pick to the next
+    one; timed in turn, each candidate takes a share of it and the median keeps the order."""
+    import torch.nn.functional as F
+
+    shapes, repeats, passes = [(64, 32), (32, 64)], 5, 2  # passes: the row counts timed (1 and 32)
+    timed_calls = repeats * passes * len(shapes)  # one candidate's timed products
+    warm_calls = 2 * passes * len(shapes)  # two warm-up passes at each row count
+    state = {"burst": 0, "bf16_calls": 0}
+
+    def fake(mode: str, ms: float) -> Gemm:
+        def linear(x, w):
+            if mode == "bf16":
+                state["bf16_calls"] += 1
+                if state["bf16_calls"] == warm_calls + 2 * len(shapes) + 1:  # its first timed pass (after the check)
+                    state["burst"] = timed_calls
+            slow = state["burst"] > 0
+            state["burst"] -= slow
+            time.sleep((ms + (20 if slow else 0)) / 1e3)
+            return F.linear(x, w)
+        return Gemm(mode, "fake", lambda w: w, linear)
+
+    gemms = {"fp32": fake("fp32", 3), "bf16": fake("bf16", 1), "fp16w": fake("fp16w", 2)}
+    choice = choose(shapes, torch.device("cpu"), "onednn", candidates=("fp32", "bf16", "fp16w"), gemms=gemms,
+                    repeats=repeats)
+    assert state["burst"] <= 0  # the burst happened, all of it
+    assert choice.mode == "bf16", choice.line()
+    assert choice.timings_ms["bf16"] < choice.timings_ms["fp16w"] < choice.timings_ms["fp32"]
+
+
 def test_auto_takes_int4w_over_a_faster_timed_bf16(real_model, monkeypatch):
     """int4w runs bf16's matmuls above its rows and codes measured faster at or below: bf16 beating it on the
     start-up timing is noise on the shared lm_head (here: int4w slowed on purpose, and fp32 a little, so that

@@ -728,6 +728,71 @@ def test_auto_precision_is_timed_once_per_deployment_and_adopted_by_every_worker
     assert runtimes("decode", precision="fp32").engine.precision == "fp32"  # a pinned mode is the worker's own
 
 
+def test_workers_starting_together_time_auto_one_at_a_time_and_all_adopt_the_one_timing(redis_client, ledger_prefix):
+    """Four workers of one scope reach precision_agree at once (a host's workers start together): one holds the
+    timing claim and times, the others wait for its proposal instead of timing on the same cores beside it."""
+    from types import SimpleNamespace
+
+    from inference.precision import Choice
+    from inference.registry import Registry
+    from inference.worker import precision_agree
+
+    registry = Registry(redis_client, prefix=ledger_prefix)
+    model, config = SimpleNamespace(fingerprint="f-" + ledger_prefix), SimpleNamespace(device="cpu")
+    active, calls, peak, lock = [0], [], [0], threading.Lock()
+    go = threading.Barrier(4)
+
+    def time_choice(m, c):
+        with lock:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+            calls.append(threading.get_ident())
+        time.sleep(0.3)  # a timing takes a while: the others arrive meanwhile
+        with lock:
+            active[0] -= 1
+        return Choice("bf16", {"fp32": 2.0, "bf16": 1.0}, "timed")
+
+    got = []
+
+    def worker():
+        go.wait()
+        got.append(precision_agree(registry, model, config, time_choice=time_choice, poll_s=0.02))
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert got == ["bf16"] * 4
+    assert len(calls) == 1 and peak[0] == 1  # timed once, by one worker alone
+    assert not list(redis_client.scan_iter(match=registry.key("precision-timing") + "*"))  # the claim released
+
+
+def test_a_timing_claim_left_by_a_dead_worker_lapses_and_the_next_worker_times(redis_client, ledger_prefix):
+    """A worker that died while timing leaves its claim; it lapses after its TTL and the next worker times: start
+    is delayed, never stuck. Another's claim is never released by a worker that does not hold it."""
+    from types import SimpleNamespace
+
+    from inference.precision import Choice, precision_scope
+    from inference.registry import Registry
+    from inference.worker import precision_agree
+
+    registry = Registry(redis_client, prefix=ledger_prefix)
+    model, config = SimpleNamespace(fingerprint="f-" + ledger_prefix), SimpleNamespace(device="cpu")
+    scope = precision_scope(model.fingerprint, torch.device("cpu"))
+    assert registry.precision_timing_claim(scope, "dead-worker", ttl_s=0.4)
+    assert not registry.precision_timing_claim(scope, "other", ttl_s=5)  # held
+    registry.precision_timing_release(scope, "other")  # not its claim: stays
+    assert not registry.precision_timing_claim(scope, "other", ttl_s=5)
+    assert registry.precision_timing_claim(scope, "dead-worker", ttl_s=0.4)  # its own, again (a repeated SET)
+    polls = []
+    t0 = time.monotonic()
+    mode = precision_agree(registry, model, config, poll_s=0.05, sleep=lambda s: (polls.append(s), time.sleep(s)),
+                           time_choice=lambda m, c: Choice("fp16w", {}, "timed"))
+    assert mode == "fp16w" and registry.precision_agreed(scope) == "fp16w"
+    assert len(polls) >= 3 and 0.3 < time.monotonic() - t0 < 10  # waited for the lapse, then timed
+
+
 def test_a_worker_without_work_lends_its_cores_before_it_waits_for_the_next_command(redis_client, ledger_prefix,
                                                                                      tiny_model, tmp_path):
     """The loop marks itself idle in the host's budget as soon as its engine has nothing to step, not after its wait
