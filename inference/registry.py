@@ -24,14 +24,14 @@ PREFILL = "prefill"
 DECODE = "decode"
 SERVING_ROLES = (PREFILL, DECODE)
 
-# Deletes index entries whose info key has expired, atomically per id, so a worker that
-# re-registers between our read and the cleanup is never dropped from the index.
 # KEYS[1] a claim, ARGV[1] its holder's token: deleted only while that holder still has it
 _RELEASE_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
 
+# Deletes index entries whose info key has expired, atomically per id, so a worker that
+# re-registers between our read and the cleanup is never dropped from the index.
 _PRUNE_LUA = """
 local removed = 0
 for i, id in ipairs(ARGV) do
