@@ -439,17 +439,19 @@ def test_check_eviction_policy_when_config_is_not_permitted(redis_client):
 # Four processes churn one pool. Each stamps the shared "tensor" with its id while it holds a
 # page, so a page granted to two processes at once shows up as a stamp that is not zero.
 _stamps = None
+_start = None  # a Barrier all churning processes wait at (test_four_processes_never_share_a_page)
 
 
-def _init_worker(stamps):
-    global _stamps
-    _stamps = stamps
+def _init_worker(stamps, start):
+    global _stamps, _start
+    _stamps, _start = stamps, start
 
 
 def _churn(url, prefix, pool_id, worker, num_grants, seed):
     ledger = RedisLedger(redis.Redis.from_url(url), pool_id, prefix)
     owner, rng = f"w{worker}", random.Random(seed)
     held, records, violations, num_full = deque(), [], [], 0
+    _start.wait(timeout=60)  # every process churns at once: started one by one, each could finish alone
 
     def give_back():
         grant, granted_ns = held.popleft()
@@ -488,7 +490,7 @@ def test_four_processes_never_share_a_page(redis_client, ledger_prefix):
     pool = RedisLedger.register(redis_client, "mp", "sandbox", 12, 16, prefix=ledger_prefix)
     ctx = multiprocessing.get_context("spawn")
     stamps = ctx.Array("i", pool.num_pages, lock=False)
-    with ctx.Pool(4, initializer=_init_worker, initargs=(stamps,)) as workers:
+    with ctx.Pool(4, initializer=_init_worker, initargs=(stamps, ctx.Barrier(4))) as workers:
         results = workers.starmap(_churn, [(URL, ledger_prefix, "mp", w, 200, w) for w in range(4)])
     records = [r for rs, _, _ in results for r in rs]
     assert [v for _, vs, _ in results for v in vs] == []
