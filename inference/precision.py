@@ -517,7 +517,7 @@ def choose(shapes, device: torch.device, fp32_kernel: str, *, candidates=MODES, 
     gen = torch.Generator().manual_seed(0)
     weights = [(torch.randn(n, k, generator=gen) / k ** 0.5).to(device) for n, k in shapes]
     inputs = {rows: [torch.randn(rows, k, generator=gen).to(device) for _, k in shapes] for rows in (1, 32)}
-    timings, notes, runs = {}, [], {}
+    timings, notes, runs = dict.fromkeys(candidates), [], {}  # timings in candidates' order; None: out
     with torch.inference_mode():
         for mode in candidates:
             gemm = (gemms or {}).get(mode) or gemm_for(mode, device, fp32_kernel)
@@ -535,16 +535,12 @@ def choose(shapes, device: torch.device, fp32_kernel: str, *, candidates=MODES, 
                 if not err <= contracts[mode].max_kernel_rel_err:  # NaN is out too
                     raise ArithmeticError(f"matmul off by {err:.1e} relative (contract {contracts[mode].max_kernel_rel_err:g})")
                 runs[mode] = (gemm, {rows: list(zip(inputs[rows], packs)) for rows in inputs})
-                timings[mode] = None  # in candidates' order; its time below
             except Exception as exc:  # an advertised ISA that is slow is timed; one that is broken is out
                 if mode == "fp32":
                     raise
-                timings[mode] = None
                 notes.append(f"{mode} out: {type(exc).__name__}: {exc}")
-        if "fp32" in runs:  # the yardstick first
-            runs = {"fp32": runs.pop("fp32"), **runs}
         per_rows = _time_candidates(runs, repeats)
-    base_rows = per_rows[next(iter(runs))]
+    base_rows = per_rows[next(iter(runs))]  # the first candidate timed (fp32) is the yardstick
     for mode, t in per_rows.items():
         # one stream and a batch of 32 weigh alike: each regime's time as a share of fp32's, scaled back to fp32's
         # total ms; a plain sum would let the 32-row products decide alone
