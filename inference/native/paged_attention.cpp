@@ -3,7 +3,9 @@
 // Pool layout (inference/kv_cache.py): pool[page, layer, k_or_v, offset, kv_head, row], fp32 or bf16 rows of head_dim
 // values (bf16 read as the top half of an fp32: exact), or int8 rows of head_dim codes and then their fp32 scale (4
 // bytes: value = code x scale; the scale is applied to a K row's dot product and to a V row's softmax weight, never
-// per value). The math is fp32 in every case: a bf16 pool reads half an fp32 pool's bytes, an int8 pool ~0.27.
+// per value). The math is fp32, except an int8 pool's q . K in the AVX-512 loop: q rounded per head to int16 (1.5e-5
+// of its largest value) times the codes, summed exactly in int32 (1.06-1.13x that loop on an AMX Xeon). A bf16 pool
+// reads half an fp32 pool's bytes, an int8 pool ~0.27.
 // Sequence i owns query rows [query_start[i], query_start[i] + query_len[i]) of q/out and its
 // context_lens[i] tokens live in pages tables[i, 0..]. Query j of sequence i attends causally to
 // keys 0 .. context_lens[i] - query_len[i] + j (bottom-right aligned; a decode row sees them all).
@@ -281,17 +283,20 @@ struct HeadStates {
 // Keys [tb, te) of one item as blocks of B token rows, page by page (no division per row). While a block is worked
 // on, the next one's lines (K and V rows) are prefetched a share at a time (prefetch_upto): pages are scattered, so
 // the hardware prefetcher cannot see the jump from one to the next, and a burst of all the lines at once filled the
-// miss buffers and stalled the loads.
+// miss buffers and stalled the loads. In memory order (each token's K row, then its V row), not the order the loops
+// read them (KV head by KV head): that order, tried, was 1.1-1.5x slower out of cache.
 template <typename KV, int B>
 class RowBlocks {
  public:
   const KV* rows[B];  // this block's rows; past its end rows[0] again (a valid row, its lanes masked out)
   int m = 0;          // rows in this block
 
+  // `steps`: how many prefetch_upto calls a block's work makes (done = 1 .. steps)
   RowBlocks(const KV* pool, const int32_t* table, int64_t tb, int64_t te, int64_t page_stride, int64_t row_len,
-            int64_t ps, int64_t v_offset)
+            int64_t ps, int64_t v_offset, int64_t steps)
       : pool_(pool), table_(table), page_stride_(page_stride), row_len_(row_len), ps_(ps), v_offset_(v_offset),
-        left_(te - tb), page_(tb / ps), off_(tb % ps), row_bytes_(row_len * static_cast<int64_t>(sizeof(KV))) {
+        left_(te - tb), page_(tb / ps), off_(tb % ps), row_bytes_(row_len * static_cast<int64_t>(sizeof(KV))),
+        steps_(steps) {
     fetch_next();
   }
 
@@ -305,9 +310,10 @@ class RowBlocks {
     return true;
   }
 
-  // prefetches the next block's lines up to the fraction done / total of them
-  KVS_INLINE void prefetch_upto(int64_t done, int64_t total) {
-    for (const int64_t stop = lines_ * done / total; line_ < stop; ++line_) {
+  // prefetches the next block's lines up to the fraction done / steps of them: a fixed-point share, no division per
+  // call (a 64-bit division each, 8 to 24 per block)
+  KVS_INLINE void prefetch_upto(int64_t done) {
+    for (const int64_t stop = std::min(lines_, (share_ * done) >> 20); line_ < stop; ++line_) {
       prefetch_l2(pf_row_ + pf_b_);
       if ((pf_b_ += 64) >= row_bytes_) {  // next line: K row, then V row, then the next token's
         pf_b_ = 0;
@@ -326,6 +332,7 @@ class RowBlocks {
       if (++off_ == ps_) off_ = 0, ++page_;
     }
     lines_ = 2 * mn_ * kvs::cdiv(row_bytes_, 64);
+    share_ = kvs::cdiv(lines_ << 20, steps_);
     line_ = pf_b_ = 0;
     pf_r_ = 0;
     pf_row_ = mn_ ? reinterpret_cast<const char*>(next_[0]) : nullptr;
@@ -333,7 +340,7 @@ class RowBlocks {
 
   const KV* pool_;
   const int32_t* table_;
-  int64_t page_stride_, row_len_, ps_, v_offset_, left_, page_, off_, row_bytes_;
+  int64_t page_stride_, row_len_, ps_, v_offset_, left_, page_, off_, row_bytes_, steps_, share_ = 0;
   const KV* next_[B];
   int mn_ = 0, pf_r_ = 0;
   int64_t lines_ = 0, line_ = 0, pf_b_ = 0;
@@ -424,7 +431,7 @@ KVS_INLINE void attend_item_avx2(const float* q, float* out, const KV* pool, con
       hi = load8(x + 8 * c + 8);
     }
   };
-  RowBlocks<KV, 8> blk(pool, table, tb, te, page_stride, row_len, ps, v_offset);
+  RowBlocks<KV, 8> blk(pool, table, tb, te, page_stride, row_len, ps, v_offset, H);
   const KV* const* rows = blk.rows;
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   while (blk.next()) {
@@ -440,7 +447,7 @@ KVS_INLINE void attend_item_avx2(const float* q, float* out, const KV* pool, con
       }
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = kvh * G + g;
-        blk.prefetch_upto(h + 1, H);
+        blk.prefetch_upto(h + 1);
         __m256 qv[NC];
         for (int c = 0; c < NC; ++c) qv[c] = _mm256_loadu_ps(qbuf.data() + h * D + 8 * c);
         auto dot = [&](int t) {  // token t's 8 partial sums, in two chains of FMAs
@@ -542,14 +549,63 @@ KVS_INLINE __m512 tree16(const __m512* r2) {
                        _mm512_shuffle_f32x4(r3a, r3b, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// The same tree over int32 partial sums (the int8 pool's q . K, exact until the one conversion to fp32)
+KVS_INLINE __m512i pair16i(__m512i a, __m512i b) {
+  return _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+}
+KVS_INLINE __m512i quad16i(__m512i x, __m512i y) {
+  const __m512 fx = _mm512_castsi512_ps(x), fy = _mm512_castsi512_ps(y);
+  return _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(fx, fy, _MM_SHUFFLE(1, 0, 1, 0))),
+                          _mm512_castps_si512(_mm512_shuffle_ps(fx, fy, _MM_SHUFFLE(3, 2, 3, 2))));
+}
+KVS_INLINE __m512i tree16i(const __m512i* r2) {
+  const __m512i r3a = _mm512_add_epi32(_mm512_shuffle_i32x4(r2[0], r2[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                       _mm512_shuffle_i32x4(r2[0], r2[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512i r3b = _mm512_add_epi32(_mm512_shuffle_i32x4(r2[2], r2[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                       _mm512_shuffle_i32x4(r2[2], r2[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(r3a, r3b, _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm512_shuffle_i32x4(r3a, r3b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// 32 (or fewer, masked) int8 codes of a row as int16 lanes
+template <bool kFull>
+KVS_INLINE __m512i load32_i16(const i8_t* p, __mmask32 m) {
+  return _mm512_cvtepi8_epi16(kFull ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                    : _mm256_maskz_loadu_epi8(m, p));
+}
+
+// The query heads as int16 for an int8 pool's q . K: per head its scaled q over its largest |value| / 32767 (a
+// relative rounding of 1.5e-5 of that value, ~130x finer than bf16's), NW chunks of 32 a head, zero-padded, 64-byte
+// aligned; qsc[h] the factor back. The products of int16 q and int8 codes are exact in int32 (|sum| < 2^31 up to
+// head_dim 256), so the only rounding before the softmax is q's.
+KVS_INLINE void quantize_heads_i16(const float* qs, int64_t H, int64_t NC, std::vector<int16_t>& buf, int16_t*& q16,
+                                   float* qsc) {
+  const int64_t NW = (NC + 1) / 2;
+  buf.resize(static_cast<size_t>(H * 32 * NW + 32));
+  q16 = reinterpret_cast<int16_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
+  for (int64_t h = 0; h < H; ++h) {
+    const float* qh = qs + h * 16 * NC;  // 64-byte aligned, zero-padded to 16 * NC
+    __m512 m = _mm512_setzero_ps();
+    for (int64_t c = 0; c < NC; ++c) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_load_ps(qh + 16 * c)));
+    const float top = _mm512_reduce_max_ps(m);
+    const __m512 inv = _mm512_set1_ps(top > 0.f ? 32767.f / top : 0.f);
+    qsc[h] = top / 32767.f;
+    int16_t* dst = q16 + h * 32 * NW;
+    for (int64_t c = 0; c < 2 * NW; ++c) {  // rounded to nearest even (MXCSR's default), at most 32767 in size
+      const __m512 x = c < NC ? _mm512_mul_ps(_mm512_load_ps(qh + 16 * c), inv) : _mm512_setzero_ps();
+      _mm256_store_si256(reinterpret_cast<__m256i*>(dst + 16 * c), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(x)));
+    }
+  }
+}
+
 // One block for the GG query heads h0 .. h0 + GG - 1 that share KV head kvh: each K and V row is loaded (a bf16 row
 // widened) once for all of them; each head's arithmetic is the one-head loop's, in the same order. Per head the 16
 // scores as one vector (FMAs over head_dim per token, the tree as the tokens come), an online-softmax update of its
 // running max / sum / output, then the block's V rows weighted in.
 template <int GG, int NC, bool kFull, typename KV, typename Prefetch>
-KVS_INLINE void attend_heads_avx512(const float* qs, int64_t h0, int64_t kvh, int64_t D, const KV* const* rows, int m,
-                                    __mmask16 valid, __mmask16 tail, int64_t v_offset, float* acc,
-                                    float* mx, float* sm, Prefetch&& prefetch) {
+KVS_INLINE void attend_heads_avx512(const float* qs, const int16_t* q16, const float* qsc, int64_t h0, int64_t kvh,
+                                    int64_t D, const KV* const* rows, int m, __mmask16 valid, __mmask16 tail,
+                                    int64_t v_offset, float* acc, float* mx, float* sm, Prefetch&& prefetch) {
   // the heads' scaled queries, read by the FMAs straight from L1: in registers (GG x NC of them) they crowded out
   // the tree's partial sums (a bf16 pool 1.1x slower in cache)
   const float* qh = qs + h0 * 16 * NC;
@@ -561,32 +617,66 @@ KVS_INLINE void attend_heads_avx512(const float* qs, int64_t h0, int64_t kvh, in
       vs[t] = row_scale(rows[t] + v_offset + kvh * Dr, D);
     }
   }
-  __m512 r2[GG][4];
-  for (int j = 0; j < 4; ++j) {
-    prefetch(j);
-    __m512 r1[GG][2];
-    for (int pr = 0; pr < 2; ++pr) {
-      __m512 a[GG][2];
-      for (int u = 0; u < 2; ++u) {
-        const KV* k = rows[4 * j + 2 * pr + u] + kvh * Dr;
-        __m512 kc[NC];
-        for (int c = 0; c < NC; ++c) kc[c] = load16<kFull>(k + 16 * c, c == NC - 1 ? tail : 0xFFFF);
-        for (int g = 0; g < GG; ++g) {
-          __m512 s = _mm512_mul_ps(_mm512_load_ps(qh + g * 16 * NC), kc[0]);
-          for (int c = 1; c < NC; ++c) s = _mm512_fmadd_ps(_mm512_load_ps(qh + (g * NC + c) * 16), kc[c], s);
-          a[g][u] = s;
+  __m512 dots[GG];  // each head's 16 scores (times the K rows' scales)
+  if constexpr (kScaled<KV>) {
+    // int8 codes widened to int16 times q as int16 (quantize_heads_i16), pairs summed into int32 lanes: exact, and
+    // no conversion of K to fp32
+    constexpr int NW = (NC + 1) / 2;
+    constexpr bool kFull32 = kFull && NC % 2 == 0;
+    const __mmask32 tail32 = kFull32 ? ~__mmask32{0} : static_cast<__mmask32>((1ull << (D - 32 * (NW - 1))) - 1);
+    const int16_t* qw = q16 + h0 * 32 * NW;
+    __m512i r2[GG][4];
+    for (int j = 0; j < 4; ++j) {
+      prefetch(j);
+      __m512i r1[GG][2];
+      for (int pr = 0; pr < 2; ++pr) {
+        __m512i a[GG][2];
+        for (int u = 0; u < 2; ++u) {
+          const KV* k = rows[4 * j + 2 * pr + u] + kvh * Dr;
+          __m512i kc[NW];
+          for (int c = 0; c < NW; ++c) kc[c] = load32_i16<kFull32>(k + 32 * c, c == NW - 1 ? tail32 : ~__mmask32{0});
+          for (int g = 0; g < GG; ++g) {
+            __m512i s = _mm512_madd_epi16(_mm512_load_si512(qw + g * 32 * NW), kc[0]);
+            for (int c = 1; c < NW; ++c)
+              s = _mm512_add_epi32(s, _mm512_madd_epi16(_mm512_load_si512(qw + (g * NW + c) * 32), kc[c]));
+            a[g][u] = s;
+          }
         }
+        for (int g = 0; g < GG; ++g) r1[g][pr] = pair16i(a[g][0], a[g][1]);
       }
-      for (int g = 0; g < GG; ++g) r1[g][pr] = pair16(a[g][0], a[g][1]);
+      for (int g = 0; g < GG; ++g) r2[g][j] = quad16i(r1[g][0], r1[g][1]);
     }
-    for (int g = 0; g < GG; ++g) r2[g][j] = quad16(r1[g][0], r1[g][1]);
+    const __m512 kscale = _mm512_load_ps(ks);
+    for (int g = 0; g < GG; ++g)
+      dots[g] = _mm512_mul_ps(_mm512_cvtepi32_ps(tree16i(r2[g])), _mm512_mul_ps(kscale, _mm512_set1_ps(qsc[h0 + g])));
+  } else {
+    __m512 r2[GG][4];
+    for (int j = 0; j < 4; ++j) {
+      prefetch(j);
+      __m512 r1[GG][2];
+      for (int pr = 0; pr < 2; ++pr) {
+        __m512 a[GG][2];
+        for (int u = 0; u < 2; ++u) {
+          const KV* k = rows[4 * j + 2 * pr + u] + kvh * Dr;
+          __m512 kc[NC];
+          for (int c = 0; c < NC; ++c) kc[c] = load16<kFull>(k + 16 * c, c == NC - 1 ? tail : 0xFFFF);
+          for (int g = 0; g < GG; ++g) {
+            __m512 s = _mm512_mul_ps(_mm512_load_ps(qh + g * 16 * NC), kc[0]);
+            for (int c = 1; c < NC; ++c) s = _mm512_fmadd_ps(_mm512_load_ps(qh + (g * NC + c) * 16), kc[c], s);
+            a[g][u] = s;
+          }
+        }
+        for (int g = 0; g < GG; ++g) r1[g][pr] = pair16(a[g][0], a[g][1]);
+      }
+      for (int g = 0; g < GG; ++g) r2[g][j] = quad16(r1[g][0], r1[g][1]);
+    }
+    for (int g = 0; g < GG; ++g) dots[g] = tree16(r2[g]);
   }
   alignas(64) float pw[GG][16];
   __m512 o[GG][NC];
   for (int g = 0; g < GG; ++g) {
     const int64_t h = h0 + g;
-    const __m512 dots = kScaled<KV> ? _mm512_mul_ps(tree16(r2[g]), _mm512_load_ps(ks)) : tree16(r2[g]);
-    const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, dots);
+    const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, dots[g]);
     const float m_old = mx[h];
     const float m_new = std::max(m_old, _mm512_reduce_max_ps(s));
     const __m512 pv = _mm512_maskz_mov_ps(valid, exp512_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
@@ -622,32 +712,37 @@ template <int NC, bool kFull, typename KV>
 KVS_INLINE void attend_item_avx512(const float* q, float* out, const KV* pool, const int32_t* table, int64_t tb,
                                    int64_t te, int64_t H, int64_t KVH, int64_t D, int64_t page_stride,
                                    int64_t v_offset, int64_t ps, float scale, std::vector<float>& state,
-                                   std::vector<float>& qbuf, float* part) {
+                                   std::vector<float>& qbuf, std::vector<int16_t>& q16buf, float* part) {
   const int64_t G = H / KVH, row_len = KVH * (D + kRowExtra<KV>);
   const __mmask16 tail = static_cast<__mmask16>(kFull ? 0xFFFF : (1u << (D - 16 * (NC - 1))) - 1);
   HeadStates st(state, H, 16 * NC);
   // q scaled once per item, each head padded to 16 * NC lanes with zeros, 64-byte aligned
-  qbuf.resize(static_cast<size_t>(H * 16 * NC + 16));
+  qbuf.resize(static_cast<size_t>(H * 16 * NC + 16 + H));
   float* qs = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(qbuf.data()) + 63) & ~uintptr_t{63});
   for (int64_t h = 0; h < H; ++h)
     for (int c = 0; c < NC; ++c) {
       const __m512 qc = load16<kFull>(q + h * D + 16 * c, c == NC - 1 ? tail : 0xFFFF);
       _mm512_store_ps(qs + (h * NC + c) * 16, _mm512_mul_ps(qc, _mm512_set1_ps(scale)));
     }
-  RowBlocks<KV, 16> blk(pool, table, tb, te, page_stride, row_len, ps, v_offset);
-  const KV* const* rows = blk.rows;
+  int16_t* q16 = nullptr;
+  float* qsc = qs + H * 16 * NC;  // an int8 pool's H factors of q16 back to q, after q
+  if constexpr (kScaled<KV>) {
+    quantize_heads_i16(qs, H, NC, q16buf, q16, qsc);
+  }
   const int64_t steps = KVH * kvs::cdiv(G, kHeadGroup) * 8;
+  RowBlocks<KV, 16> blk(pool, table, tb, te, page_stride, row_len, ps, v_offset, steps);
+  const KV* const* rows = blk.rows;
   while (blk.next()) {
     const int m = blk.m;
     const __mmask16 valid = static_cast<__mmask16>(m == 16 ? 0xFFFF : (1u << m) - 1);
     int64_t step = 0;  // the next block's lines are prefetched a share per eighth of a group's work
-    const auto prefetch = [&](int64_t k) { blk.prefetch_upto(step + k + 1, steps); };
+    const auto prefetch = [&](int64_t k) { blk.prefetch_upto(step + k + 1); };
     for (int64_t kvh = 0; kvh < KVH; ++kvh) {
       for (int64_t g = 0; g < G; g += kHeadGroup, step += 8) {
         const int64_t h0 = kvh * G + g, n = std::min(kHeadGroup, G - g);
         switch (n) {
 #define KVS_HEADS(GG) \
-  case GG: attend_heads_avx512<GG, NC, kFull, KV>(qs, h0, kvh, D, rows, m, valid, tail, v_offset, st.acc, \
+  case GG: attend_heads_avx512<GG, NC, kFull, KV>(qs, q16, qsc, h0, kvh, D, rows, m, valid, tail, v_offset, st.acc, \
                                                   st.mx, st.sm, prefetch); break;
           KVS_HEADS(1) KVS_HEADS(2) KVS_HEADS(3) default: KVS_HEADS(4)
 #undef KVS_HEADS
@@ -661,10 +756,11 @@ KVS_INLINE void attend_item_avx512(const float* q, float* out, const KV* pool, c
 template <int NC, typename KV>
 void run_unit_avx512(const Problem<KV>& p, const Unit& u) {
   thread_local std::vector<float> state, qbuf;
+  thread_local std::vector<int16_t> q16buf;
   const int64_t i = p.item_seq[u.item], row = p.query_start[i] + p.item_first[u.item];
   const auto body = p.D == 16 * NC ? attend_item_avx512<NC, true, KV> : attend_item_avx512<NC, false, KV>;
   body(p.q + row * p.q_row_stride, p.out + row * p.out_row_stride, p.pool, p.tables + i * p.table_width, u.tb, u.te,
-       p.H, p.KVH, p.D, p.page_stride, p.v_offset, p.ps, p.scale, state, qbuf, unit_state(p, u));
+       p.H, p.KVH, p.D, p.page_stride, p.v_offset, p.ps, p.scale, state, qbuf, q16buf, unit_state(p, u));
 }
 
 #pragma GCC pop_options

@@ -12,7 +12,7 @@ from inference import attention, native
 from inference.attention import BACKENDS, AttentionBatch, PrefillSlice, SeqBatch
 from inference.engine import Engine, EngineConfig
 from inference.kv_cache import PagePool, cdiv
-from tests.inference.helpers import fill_pool_randn, poison_page
+from tests.inference.helpers import fill_pool_randn, kernel_tolerance, poison_page
 
 # (query heads, kv heads, head dim): SmolLM2-135M (9/3/64), the tiny model (4/2/16), MHA, MQA, a
 # head dim without a specialised kernel (24)
@@ -72,7 +72,7 @@ def test_kernel_matches_sdpa_over_gathered_pages(h, kvh, d, seed, dtype):
         ours = BACKENDS["native"](q, k, v, pool, layer, batch)
         ref = BACKENDS["sdpa"](q, k, v, pool, layer, AttentionBatch(**{**batch.__dict__, "cache": {}}))
         assert torch.isfinite(ours).all() and torch.isfinite(ref).all()
-        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=2e-5)
+        torch.testing.assert_close(ours, ref, **kernel_tolerance(dtype))
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
