@@ -11,6 +11,9 @@ engine's does); its bytes copied to plain 4 KB pages are timed in the same round
 share of the kernel's time).
 Step (unless --no-step): the real engine in `--precision` over each KV dtype, `--seqs` prompts of `--context` tokens
 prefilled once, then decode steps timed in interleaved rounds: the kernel's fraction of a decode step.
+The machine's yardstick, timed in the same rounds: a plain sum over as many contiguous bytes as the largest pool's
+K/V per step, with the same threads (`stream_gb_s`): how close each kernel's read comes to it, and the fraction of
+the step a kernel at that rate would take (`fraction_floor_<dtype>`: the least any kernel reading these bytes gets).
 Ends with one JSON line (ms per ISA and dtype, ratios, fractions, CPU flags, threads).
 """
 import argparse
@@ -63,6 +66,13 @@ def time_kernel_step(pool, q, tables, lens, starts, qlens) -> float:
     t0 = time.perf_counter()
     for layer in range(pool.num_layers):
         torch.ops.kvserve_paged.paged_attention(out, q, pool.data, layer, tables, lens, starts, qlens, scale)
+    return time.perf_counter() - t0
+
+
+def time_stream(buf) -> float:
+    """Seconds for a plain read of `buf` (a contiguous sum over the torch threads): the yardstick of bytes per second."""
+    t0 = time.perf_counter()
+    buf.sum()
     return time.perf_counter() - t0
 
 
@@ -137,16 +147,21 @@ def main(argv=None) -> int:
         f"(huge pages: {', '.join(f'{d} {f:.0%}' for d, f in huge.items())}; THP {thp_mode() or 'absent'}), "
         f"{torch.get_num_threads()} threads, flags {' '.join(cpu_flags())}")
     timed = [(n, d, cases[d]) for n, d in combos] + [(best, f"{d}/4k", small[d]) for d in dtypes]
+    stream = torch.ones(max(kv_bytes.values()) // 4)
+    time_stream(stream)
     for n, _, case in timed:  # warm
         native.set_isa(n)
         time_kernel_step(*case)
     kt = {(n, d): [] for n, d, _ in timed}
+    st = []
     for _ in range(args.repeats):
+        st.append(time_stream(stream))
         for n, d, case in timed:
             native.set_isa(n)
             kt[(n, d)].append(time_kernel_step(*case))
     native.set_isa("")
     kernel = {c: median(v) for c, v in kt.items()}
+    stream_gb_s = stream.numel() * 4 / median(st) / 1e9
     step = engine_steps(model, args.seqs, args.context, dtypes, args.precision, max(3, args.repeats // 2)) \
         if model else {}
     rows = [dict(isa=n, kv_dtype=d, kernel_ms_per_step=kernel[(n, d)] * 1e3,
@@ -167,7 +182,16 @@ def main(argv=None) -> int:
                **{f"kernel_fraction_{d}": kernel[(best, d)] / step[d] for d in step},
                thp=thp_mode(), **{f"huge_page_share_{d}": huge[d] for d in dtypes},
                **{f"kernel_ms_4k_{d}": kernel[(best, f"{d}/4k")] * 1e3 for d in dtypes},
-               **{f"speedup_hugepages_{d}": kernel[(best, f"{d}/4k")] / kernel[(best, d)] for d in dtypes})
+               **{f"speedup_hugepages_{d}": kernel[(best, f"{d}/4k")] / kernel[(best, d)] for d in dtypes},
+               stream_gb_s=stream_gb_s,
+               **{f"kernel_share_of_stream_{d}": kv_bytes[d] / kernel[(best, d)] / 1e9 / stream_gb_s for d in dtypes})
+    print(f"a plain read of {stream.numel() * 4 / 1e6:.0f} MB: {stream_gb_s:.1f} GB/s; the {best} kernel reads at "
+          + ", ".join(f"{out[f'kernel_share_of_stream_{d}']:.0%} of it ({d})" for d in dtypes))
+    for d in step:  # a kernel reading this pool's bytes at the plain read's rate, the rest of the step as measured
+        floor_s = kv_bytes[d] / (stream_gb_s * 1e9)
+        out[f"fraction_floor_{d}"] = floor_s / (step[d] - kernel[(best, d)] + floor_s)
+        print(f"{d} pool: kernel {kernel[(best, d)] / step[d]:.1%} of the {args.precision} step; at the plain read's "
+              f"rate {out[f'fraction_floor_{d}']:.1%}")
     for d in dtypes:
         print(f"4 KB -> huge pages ({huge[d]:.0%} of the pool): kernel {out[f'speedup_hugepages_{d}']:.2f}x faster per "
               f"decode step ({d} pool, {best})")

@@ -86,7 +86,8 @@ def test_attention_quick_times_the_pool_on_huge_and_on_4kb_pages_and_ends_with_o
     assert result["kv_dtypes"] == ["bfloat16", "int8"] and isinstance(result["cpu_flags"], list)
     best = result["isas"][-1]
     for d in ("bfloat16", "int8"):
-        for key in (f"kernel_ms_{best}_{d}", f"kernel_ms_4k_{d}", f"speedup_hugepages_{d}"):
+        for key in (f"kernel_ms_{best}_{d}", f"kernel_ms_4k_{d}", f"speedup_hugepages_{d}", f"kernel_share_of_stream_{d}"):
             assert isinstance(result[key], (int, float)) and result[key] > 0, (key, result[key])
         # the pool the bench times is the engine's own PagePool: on huge pages wherever the kernel gives them
         assert result[f"huge_page_share_{d}"] > 0.5 or result["thp"] not in ("always", "madvise"), result
+    assert result["stream_gb_s"] > 0  # the plain read the kernels' rates are set against
