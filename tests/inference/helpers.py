@@ -36,5 +36,6 @@ def kernel_tolerance(dtype: torch.dtype) -> dict:
     """How close the native kernel's output must be to the fp32 reference over the same pool. fp32 and bf16 rows
     widen exactly (fp32 math; only the order of the sums differs). Over an int8 pool the AVX-512 loop takes q . K as
     int16 q times the codes (q over its largest |value| / 32767 per head: a rounding of at most 1.5e-5 of that value,
-    ~250x finer than the codes' own): outputs within 2e-4 on unit-variance data (measured up to 7.3e-5)."""
-    return {"rtol": 1e-5, "atol": 2e-4 if dtype == torch.int8 else 2e-5}
+    ~250x finer than the codes' own): outputs within 1e-4 on unit-variance data (measured up to 7.3e-5; q truncated
+    instead of rounded exceeds it)."""
+    return {"rtol": 1e-5, "atol": 1e-4 if dtype == torch.int8 else 2e-5}
