@@ -550,21 +550,39 @@ KVS_INLINE __m512 tree16(const __m512* r2) {
 }
 
 // The same tree over int32 partial sums (the int8 pool's q . K, exact until the one conversion to fp32)
-KVS_INLINE __m512i pair16i(__m512i a, __m512i b) {
+KVS_INLINE __m512i pair16(__m512i a, __m512i b) {
   return _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
 }
-KVS_INLINE __m512i quad16i(__m512i x, __m512i y) {
+KVS_INLINE __m512i quad16(__m512i x, __m512i y) {
   const __m512 fx = _mm512_castsi512_ps(x), fy = _mm512_castsi512_ps(y);
   return _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(fx, fy, _MM_SHUFFLE(1, 0, 1, 0))),
                           _mm512_castps_si512(_mm512_shuffle_ps(fx, fy, _MM_SHUFFLE(3, 2, 3, 2))));
 }
-KVS_INLINE __m512i tree16i(const __m512i* r2) {
+KVS_INLINE __m512i tree16(const __m512i* r2) {
   const __m512i r3a = _mm512_add_epi32(_mm512_shuffle_i32x4(r2[0], r2[1], _MM_SHUFFLE(1, 0, 1, 0)),
                                        _mm512_shuffle_i32x4(r2[0], r2[1], _MM_SHUFFLE(3, 2, 3, 2)));
   const __m512i r3b = _mm512_add_epi32(_mm512_shuffle_i32x4(r2[2], r2[3], _MM_SHUFFLE(1, 0, 1, 0)),
                                        _mm512_shuffle_i32x4(r2[2], r2[3], _MM_SHUFFLE(3, 2, 3, 2)));
   return _mm512_add_epi32(_mm512_shuffle_i32x4(r3a, r3b, _MM_SHUFFLE(2, 0, 2, 0)),
                           _mm512_shuffle_i32x4(r3a, r3b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// A block's 16 tokens through the tree as they come, for GG heads: row_dots(t, a) writes token t's partial sums for
+// each head into a[0 .. GG) (Vec: fp32 or int32 lanes); r2 ends as each head's four quads (tree16 finishes them).
+// The next block's lines are prefetched a share per four tokens.
+template <int GG, typename Vec, typename RowDots, typename Prefetch>
+KVS_INLINE void block_quads(Vec (&r2)[GG][4], RowDots&& row_dots, Prefetch&& prefetch) {
+  for (int j = 0; j < 4; ++j) {
+    prefetch(j);
+    Vec r1[GG][2];
+    for (int pr = 0; pr < 2; ++pr) {
+      Vec a[2][GG];
+      row_dots(4 * j + 2 * pr, a[0]);
+      row_dots(4 * j + 2 * pr + 1, a[1]);
+      for (int g = 0; g < GG; ++g) r1[g][pr] = pair16(a[0][g], a[1][g]);
+    }
+    for (int g = 0; g < GG; ++g) r2[g][j] = quad16(r1[g][0], r1[g][1]);
+  }
 }
 
 // 32 (or fewer, masked) int8 codes of a row as int16 lanes
@@ -626,50 +644,32 @@ KVS_INLINE void attend_heads_avx512(const float* qs, const int16_t* q16, const f
     const __mmask32 tail32 = kFull32 ? ~__mmask32{0} : static_cast<__mmask32>((1ull << (D - 32 * (NW - 1))) - 1);
     const int16_t* qw = q16 + h0 * 32 * NW;
     __m512i r2[GG][4];
-    for (int j = 0; j < 4; ++j) {
-      prefetch(j);
-      __m512i r1[GG][2];
-      for (int pr = 0; pr < 2; ++pr) {
-        __m512i a[GG][2];
-        for (int u = 0; u < 2; ++u) {
-          const KV* k = rows[4 * j + 2 * pr + u] + kvh * Dr;
-          __m512i kc[NW];
-          for (int c = 0; c < NW; ++c) kc[c] = load32_i16<kFull32>(k + 32 * c, c == NW - 1 ? tail32 : ~__mmask32{0});
-          for (int g = 0; g < GG; ++g) {
-            __m512i s = _mm512_madd_epi16(_mm512_load_si512(qw + g * 32 * NW), kc[0]);
-            for (int c = 1; c < NW; ++c)
-              s = _mm512_add_epi32(s, _mm512_madd_epi16(_mm512_load_si512(qw + (g * NW + c) * 32), kc[c]));
-            a[g][u] = s;
-          }
-        }
-        for (int g = 0; g < GG; ++g) r1[g][pr] = pair16i(a[g][0], a[g][1]);
+    block_quads<GG>(r2, [&](int t, __m512i* a) {
+      const KV* k = rows[t] + kvh * Dr;
+      __m512i kc[NW];
+      for (int c = 0; c < NW; ++c) kc[c] = load32_i16<kFull32>(k + 32 * c, c == NW - 1 ? tail32 : ~__mmask32{0});
+      for (int g = 0; g < GG; ++g) {
+        __m512i s = _mm512_madd_epi16(_mm512_load_si512(qw + g * 32 * NW), kc[0]);
+        for (int c = 1; c < NW; ++c)
+          s = _mm512_add_epi32(s, _mm512_madd_epi16(_mm512_load_si512(qw + (g * NW + c) * 32), kc[c]));
+        a[g] = s;
       }
-      for (int g = 0; g < GG; ++g) r2[g][j] = quad16i(r1[g][0], r1[g][1]);
-    }
+    }, prefetch);
     const __m512 kscale = _mm512_load_ps(ks);
     for (int g = 0; g < GG; ++g)
-      dots[g] = _mm512_mul_ps(_mm512_cvtepi32_ps(tree16i(r2[g])), _mm512_mul_ps(kscale, _mm512_set1_ps(qsc[h0 + g])));
+      dots[g] = _mm512_mul_ps(_mm512_cvtepi32_ps(tree16(r2[g])), _mm512_mul_ps(kscale, _mm512_set1_ps(qsc[h0 + g])));
   } else {
     __m512 r2[GG][4];
-    for (int j = 0; j < 4; ++j) {
-      prefetch(j);
-      __m512 r1[GG][2];
-      for (int pr = 0; pr < 2; ++pr) {
-        __m512 a[GG][2];
-        for (int u = 0; u < 2; ++u) {
-          const KV* k = rows[4 * j + 2 * pr + u] + kvh * Dr;
-          __m512 kc[NC];
-          for (int c = 0; c < NC; ++c) kc[c] = load16<kFull>(k + 16 * c, c == NC - 1 ? tail : 0xFFFF);
-          for (int g = 0; g < GG; ++g) {
-            __m512 s = _mm512_mul_ps(_mm512_load_ps(qh + g * 16 * NC), kc[0]);
-            for (int c = 1; c < NC; ++c) s = _mm512_fmadd_ps(_mm512_load_ps(qh + (g * NC + c) * 16), kc[c], s);
-            a[g][u] = s;
-          }
-        }
-        for (int g = 0; g < GG; ++g) r1[g][pr] = pair16(a[g][0], a[g][1]);
+    block_quads<GG>(r2, [&](int t, __m512* a) {
+      const KV* k = rows[t] + kvh * Dr;
+      __m512 kc[NC];
+      for (int c = 0; c < NC; ++c) kc[c] = load16<kFull>(k + 16 * c, c == NC - 1 ? tail : 0xFFFF);
+      for (int g = 0; g < GG; ++g) {
+        __m512 s = _mm512_mul_ps(_mm512_load_ps(qh + g * 16 * NC), kc[0]);
+        for (int c = 1; c < NC; ++c) s = _mm512_fmadd_ps(_mm512_load_ps(qh + (g * NC + c) * 16), kc[c], s);
+        a[g] = s;
       }
-      for (int g = 0; g < GG; ++g) r2[g][j] = quad16(r1[g][0], r1[g][1]);
-    }
+    }, prefetch);
     for (int g = 0; g < GG; ++g) dots[g] = tree16(r2[g]);
   }
   alignas(64) float pw[GG][16];

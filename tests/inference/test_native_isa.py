@@ -177,4 +177,3 @@ def test_the_int8_loop_rounds_q_per_head_at_any_size(q_scale):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=2e-5 if q_scale < 1 else 4e-3)
     native.set_isa("generic")
     torch.testing.assert_close(BACKENDS["native"](q, k, v, pool, 1, batch), ref, rtol=1e-5, atol=2e-5)
-    native.set_isa("")
