@@ -281,11 +281,15 @@ struct HeadStates {
 };
 
 // Keys [tb, te) of one item as blocks of B token rows, page by page (no division per row). While a block is worked
-// on, the next one's lines (K and V rows) are prefetched a share at a time (prefetch_upto): pages are scattered, so
-// the hardware prefetcher cannot see the jump from one to the next, and a burst of all the lines at once filled the
-// miss buffers and stalled the loads. In memory order (each token's K row, then its V row), not the order the loops
-// read them (KV head by KV head): that order, tried, was 1.1-1.5x slower out of cache.
-template <typename KV, int B>
+// on, the lines (K and V rows) of the block A ahead are prefetched a share at a time (prefetch_upto): pages are
+// scattered, so the hardware prefetcher cannot see the jump from one to the next, and a burst of all the lines at
+// once filled the miss buffers and stalled the loads. In memory order (each token's K row, then its V row), not the
+// order the loops read them (KV head by KV head): that order, tried, was 1.1-1.5x slower out of cache. A = 1 where
+// the loop is bound by the lines a core keeps in flight (fp32 and bf16 rows: two ahead measured no faster); the
+// int8 loop, bound by its own work, reads a block's ~100 lines in ~600 ns, and one block ahead left the share
+// prefetched last arriving late: two ahead, 1.2x out of cache (Zen 4). With A > 1 the first A blocks' lines are
+// prefetched at once as the item starts.
+template <typename KV, int B, int A = 1>
 class RowBlocks {
  public:
   const KV* rows[B];  // this block's rows; past its end rows[0] again (a valid row, its lanes masked out)
@@ -297,52 +301,70 @@ class RowBlocks {
       : pool_(pool), table_(table), page_stride_(page_stride), row_len_(row_len), ps_(ps), v_offset_(v_offset),
         left_(te - tb), page_(tb / ps), off_(tb % ps), row_bytes_(row_len * static_cast<int64_t>(sizeof(KV))),
         steps_(steps) {
-    fetch_next();
+    for (int a = 0; a < A; ++a) {
+      fill(a);
+      if constexpr (A > 1) {
+        aim(a);
+        prefetch_upto(steps_);
+      }
+    }
   }
 
   // moves to the next block; false past the last
   KVS_INLINE bool next() {
-    if (mn_ == 0) return false;
-    m = mn_;
-    for (int t = 0; t < m; ++t) rows[t] = next_[t];
+    const int slot = head_;
+    if (mn_[slot] == 0) return false;
+    m = mn_[slot];
+    for (int t = 0; t < m; ++t) rows[t] = ring_[slot][t];
     for (int t = m; t < B; ++t) rows[t] = rows[0];
-    fetch_next();
+    fill(slot);  // the slot now holds the block A ahead, whose lines this block's work prefetches
+    aim(slot);
+    head_ = slot + 1 == A ? 0 : slot + 1;
     return true;
   }
 
-  // prefetches the next block's lines up to the fraction done / steps of them: a fixed-point share, no division per
-  // call (a 64-bit division each, 8 to 24 per block)
+  // prefetches the aimed block's lines up to the fraction done / steps of them: a fixed-point share, no division
+  // per call (a 64-bit division each, 8 to 24 per block)
   KVS_INLINE void prefetch_upto(int64_t done) {
     for (const int64_t stop = std::min(lines_, (share_ * done) >> 20); line_ < stop; ++line_) {
       prefetch_l2(pf_row_ + pf_b_);
       if ((pf_b_ += 64) >= row_bytes_) {  // next line: K row, then V row, then the next token's
         pf_b_ = 0;
-        pf_row_ = ++pf_r_ >= 2 * mn_ ? pf_row_
-            : reinterpret_cast<const char*>(next_[pf_r_ >> 1] + ((pf_r_ & 1) ? v_offset_ : 0));
+        pf_row_ = ++pf_r_ >= 2 * pf_m_ ? pf_row_
+            : reinterpret_cast<const char*>(pf_rows_[pf_r_ >> 1] + ((pf_r_ & 1) ? v_offset_ : 0));
       }
     }
   }
 
  private:
-  KVS_INLINE void fetch_next() {
-    mn_ = static_cast<int>(std::min<int64_t>(B, left_));
-    left_ -= mn_;
-    for (int t = 0; t < mn_; ++t) {
-      next_[t] = pool_ + static_cast<int64_t>(table_[page_]) * page_stride_ + off_ * row_len_;
+  // the item's next B rows (fewer at its end, none past it) into a slot of the ring
+  KVS_INLINE void fill(int slot) {
+    const int n = static_cast<int>(std::min<int64_t>(B, left_));
+    left_ -= n;
+    mn_[slot] = n;
+    for (int t = 0; t < n; ++t) {
+      ring_[slot][t] = pool_ + static_cast<int64_t>(table_[page_]) * page_stride_ + off_ * row_len_;
       if (++off_ == ps_) off_ = 0, ++page_;
     }
-    lines_ = 2 * mn_ * kvs::cdiv(row_bytes_, 64);
+  }
+  // the block in `slot` is the one prefetch_upto fetches
+  KVS_INLINE void aim(int slot) {
+    pf_rows_ = ring_[slot];
+    pf_m_ = mn_[slot];
+    lines_ = 2 * pf_m_ * kvs::cdiv(row_bytes_, 64);
     share_ = kvs::cdiv(lines_ << 20, steps_);
     line_ = pf_b_ = 0;
     pf_r_ = 0;
-    pf_row_ = mn_ ? reinterpret_cast<const char*>(next_[0]) : nullptr;
+    pf_row_ = pf_m_ ? reinterpret_cast<const char*>(pf_rows_[0]) : nullptr;
   }
 
   const KV* pool_;
   const int32_t* table_;
   int64_t page_stride_, row_len_, ps_, v_offset_, left_, page_, off_, row_bytes_, steps_, share_ = 0;
-  const KV* next_[B];
-  int mn_ = 0, pf_r_ = 0;
+  const KV* ring_[A][B];  // the next A blocks' rows
+  int mn_[A] = {};
+  const KV* const* pf_rows_ = nullptr;
+  int head_ = 0, pf_m_ = 0, pf_r_ = 0;
   int64_t lines_ = 0, line_ = 0, pf_b_ = 0;
   const char* pf_row_ = nullptr;
 };
@@ -730,7 +752,7 @@ KVS_INLINE void attend_item_avx512(const float* q, float* out, const KV* pool, c
     quantize_heads_i16(qs, H, NC, q16buf, q16, qsc);
   }
   const int64_t steps = KVH * kvs::cdiv(G, kHeadGroup) * 8;
-  RowBlocks<KV, 16> blk(pool, table, tb, te, page_stride, row_len, ps, v_offset, steps);
+  RowBlocks<KV, 16, kScaled<KV> ? 2 : 1> blk(pool, table, tb, te, page_stride, row_len, ps, v_offset, steps);
   const KV* const* rows = blk.rows;
   while (blk.next()) {
     const int m = blk.m;
