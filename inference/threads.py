@@ -8,6 +8,8 @@ puts one of each on the same host; anything else (the CLI, benchmarks) takes eve
 KVSERVE_THREAD_BUDGET=lend (the default), `CoreBudget` lends a worker's native kernels every core while no other
 worker on the host has work (their pool never waits for a helper that another process holds off its core; torch's
 threads stay fixed); with =shared it moves torch's threads too; with =fixed nothing moves.
+Within a process the two kinds of threads take turns on the same cores: torch's idle OpenMP threads spin only
+briefly (GOMP_SPINCOUNT, set before torch loads: inference/__init__.py), so the native kernels' helpers get them.
 """
 import fcntl
 import logging
