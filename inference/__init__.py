@@ -17,7 +17,7 @@ def openmp_spin_default(env=os.environ) -> bool:
     """Shortens how long torch's idle OpenMP threads spin after each parallel region, unless the operator set
     OMP_WAIT_POLICY or GOMP_SPINCOUNT; True when it set it. Between a oneDNN / ATen op and the next native kernel
     those threads otherwise spin ~1 ms on the cores the native kernels' helpers need (inference/native/pool.cpp),
-    and a kernel meant for every core runs on one: on 2 cores a w4a8 prefill 1.3x, 32 decoding sequences 1.2-1.7x
+    and a kernel meant for every core runs on one: on 2 cores a w4a8 prefill 1.3x, 32 decoding sequences 1.7x
     slower. libgomp reads the variable when it loads, with torch: too late once torch is imported (says so)."""
     if "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
         return False

@@ -287,7 +287,7 @@ struct HeadStates {
 // order the loops read them (KV head by KV head): that order, tried, was 1.1-1.5x slower out of cache. A = 1 where
 // the loop is bound by the lines a core keeps in flight (fp32 and bf16 rows: two ahead measured no faster); the
 // int8 loop, bound by its own work, reads a block's ~100 lines in ~600 ns, and one block ahead left the share
-// prefetched last arriving late: two ahead, 1.2x out of cache (Zen 4). With A > 1 the first A blocks' lines are
+// prefetched last arriving late: two ahead, 1.13x out of cache (Zen 4). With A > 1 the first A blocks' lines are
 // prefetched at once as the item starts.
 template <typename KV, int B, int A = 1>
 class RowBlocks {
