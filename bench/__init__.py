@@ -1,2 +1,2 @@
 """Benchmarks: `python -m bench.all` runs every `bench.*` module and records bench/results.jsonl."""
-import inference  # noqa: F401,E402  first: it sets the OpenMP spin before a benchmark loads torch
+import inference  # noqa: F401  first: it sets the OpenMP spin before a benchmark loads torch
