@@ -4,9 +4,9 @@
     python -m bench.all --render-only      # rebuild bench/RESULTS.md from bench/results.jsonl
 
 Each run in MODULES is `python -m bench.<name>` in its own process, with the options RUNS gives it (the engine
-and the profile in the precision `make run` serves, `auto`; `peer-c1` is bench.peer with one client); its final
-stdout line is its JSON result. --quick / --repeats / --url / --api-key are passed on to the modules whose
-source defines that option. A module that is not there, or fails to import, is skipped with a
+and the profile in the precision `make run` serves, `auto`; `profile-c1` is that profile of one sequence, `peer-c1`
+bench.peer with one client); its final stdout line is its JSON result. --quick / --repeats / --url / --api-key are
+passed on to the modules whose source defines that option. A module that is not there, or fails to import, is skipped with a
 message; `load` runs only when --url is given, `peer` only once llama.cpp's server is installed
 (`python -m bench.peer --install-only`; otherwise reported as skipped with that command).
 
@@ -33,11 +33,12 @@ ROOT = HERE.parent
 RESULTS_JSONL = HERE / "results.jsonl"
 RESULTS_MD = HERE / "RESULTS.md"
 
-MODULES = ["engine", "profile", "attention", "quant", "argmax", "guards", "grammar", "ondemand", "prefix", "transport",
+MODULES = ["engine", "profile", "profile-c1", "attention", "quant", "argmax", "guards", "grammar", "ondemand", "prefix", "transport",
            "load", "fairness", "chaos", "memory", "peer", "peer-c1"]  # run in this order
 # runs that are not a module's defaults: name -> (module, its options). The engine's figures are those of the
 # precision `make run` serves (auto), not the modules' fp32 default (HF's own math, for contrast)
 RUNS = {"engine": ("engine", ["--precision", "auto"]), "profile": ("profile", ["--precision", "auto"]),
+        "profile-c1": ("profile", ["--precision", "auto", "--seqs", "1", "--steps", "30"]),
         "peer-c1": ("peer", ["--clients", "1"])}
 NEEDS_URL = {"load"}
 NEEDS_ROOT = {"chaos"}  # network namespaces
@@ -171,6 +172,7 @@ SUMMARY = [
     ("engine", "ratio_prefill", "prefill of a 500-token prompt, vs HF", ">= 2.0"),
     ("profile", "step_ms_median", "one 32-sequence decode step (ms)", ""),
     ("profile", "fraction_attention", "share of that step in attention", ""),
+    ("profile-c1", "step_over_matmul", "one sequence's decode step over its matmul time", "<= 1.5"),
     ("attention", "kernel_fraction_bfloat16", "paged-attention kernel's share of a 32 x 512-token decode step "
      "(bf16 pool)", "<= 0.18"),
     ("attention", "fraction_floor_bfloat16", "the same share for a kernel reading at a plain read's rate", ""),
@@ -178,6 +180,8 @@ SUMMARY = [
     ("argmax", "ratio_rows32", "greedy argmax over 32 rows of the vocabulary, torch / native", ""),
     ("guards", "ratio_guards_on_vs_off", "throughput, ownership guards on / off", ">= 0.97"),
     ("guards", "ratio_scrub_on_vs_off", "throughput, scrub on free on / off", ">= 0.99"),
+    ("guards", "ratio_on_vs_on_again", "throughput, guards and scrub on / the same again (A/A: this run's noise)", ""),
+    ("guards", "scrub_time_fraction", "share of a run's time inside the scrub (instrumented)", "<= 0.01"),
     ("guards", "ledger_allocate_p50_us", "Redis ledger allocate p50 (us)", ""),
     ("guards", "ledger_free_p50_us", "Redis ledger free p50 (us)", ""),
     ("grammar", "mask_cost", "decode cost of a JSON-schema token mask on every one of 32 sequences", "<= 0.10"),

@@ -6,6 +6,7 @@ from bench import all as bench_all
 def test_runs_name_the_module_and_the_options_it_always_passes():
     assert bench_all.run_of("engine") == ("engine", ["--precision", "auto"])
     assert bench_all.run_of("peer-c1") == ("peer", ["--clients", "1"])
+    assert bench_all.run_of("profile-c1") == ("profile", ["--precision", "auto", "--seqs", "1", "--steps", "30"])
     assert bench_all.run_of("guards") == ("guards", [])
     assert {bench_all.run_of(name)[0] for name in bench_all.MODULES} <= set(bench_all.MODULES)
 
