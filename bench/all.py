@@ -202,6 +202,7 @@ SUMMARY = [
     ("fairness", "ttft_ratio", "tenant B's TTFT while A floods / alone (fair share on)", "<= 2"),
     ("fairness", "completion_ratio", "tenant B's completion time while A floods / alone", "<= 2"),
     ("fairness", "unlimited_ttft_ratio", "the same TTFT ratio with A's limits off (contrast)", ""),
+    ("fairness", "ttft_added_ms", "what A's flood adds to B's TTFT under fair share (ms)", ""),
     ("chaos", "passed", "chaos suite: every target met in every scenario (table below)", "True"),
 ]
 
