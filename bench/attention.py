@@ -1,7 +1,8 @@
-"""The paged-attention kernel per decode step: its builds (AVX2, AVX-512) and its pools (fp32, bf16) side by side.
+"""The paged-attention kernel per decode step: its builds (AVX2, AVX-512) and its pools (fp32, bf16) side by side;
+a fresh prompt's attention in each way this CPU runs it.
 
     python -m bench.attention [--seqs 32] [--context 512] [--repeats 7] [--kv-dtypes float32,bfloat16,int8]
-                              [--precision w4a8] [--no-step] [--quick] [--threads N]
+                              [--precision w4a8] [--no-step] [--quick] [--threads N] [--prompt 500]
 
 Kernel: a pool shaped like the model (layers, heads, kv heads, head_dim from its config) in each KV dtype, `--seqs`
 decode rows of `--context` tokens each on scattered 16-token pages; one call per layer is one decode step's
@@ -14,6 +15,10 @@ prefilled once, then decode steps timed in interleaved rounds: the kernel's frac
 The machine's yardstick, timed in the same rounds: a plain sum over as many contiguous bytes as the largest pool's
 K/V per step, with the same threads (`stream_gb_s`): how close each kernel's read comes to it, and the fraction of
 the step a kernel at that rate would take (`fraction_floor_<dtype>`: the least any kernel reading these bytes gets).
+Fresh prompt: one `--prompt`-token chunk attending its own K/V (the model's heads) as a prefill over a bf16 pool
+does, in every kind inference.attention times at start (torch's fp32 SDPA, kvserve's fp32 and AVX512-BF16 kernels,
+torch's bf16 SDPA; those this CPU runs), interleaved rounds, median ms per layer, each kind's speedup over torch's
+fp32 SDPA, and the kind the engine picks here (`fresh_pick`).
 Ends with one JSON line (ms per ISA and dtype, ratios, fractions, CPU flags, threads).
 """
 import argparse
@@ -25,6 +30,7 @@ import torch
 
 from bench.common import chat_prompts, cpu_flags, emit_json, log, median, print_table
 from inference import native
+from inference.attention import fresh_bf16_kind, fresh_runs
 from inference.hugepages import huge_share, thp_mode
 from inference.kv_cache import PagePool, cdiv, pool_rows
 from inference.threads import threads_set
@@ -108,6 +114,23 @@ def engine_steps(model, seqs, context, dtypes, precision, repeats) -> dict:
     return {d: median(v) for d, v in times.items()}
 
 
+def fresh_prompt_ms(tokens: int, h: int, kvh: int, d: int, repeats: int) -> dict:
+    """Median ms of one layer's attention of a fresh `tokens`-token chunk over its own K/V, per kind this CPU runs
+    (inference.attention.FRESH_KINDS), interleaved rounds of three calls."""
+    gen = torch.Generator().manual_seed(1)
+    runs = fresh_runs(*(torch.randn(tokens, n, d, generator=gen) for n in (h, kvh, kvh)))
+    times = {kind: [] for kind in runs}
+    for run in runs.values():  # warm
+        run()
+    for _ in range(repeats):
+        for kind, run in runs.items():
+            t0 = time.perf_counter()
+            for _ in range(3):
+                run()
+            times[kind].append((time.perf_counter() - t0) / 3 * 1e3)
+    return {kind: median(v) for kind, v in times.items()}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.attention", description=__doc__.split("\n")[0])
     parser.add_argument("--seqs", type=int, default=32)
@@ -118,9 +141,10 @@ def main(argv=None) -> int:
     parser.add_argument("--no-step", action="store_true", help="kernel only (no model, no engine step)")
     parser.add_argument("--quick", action="store_true", help="8 sequences x 128 tokens, 3 rounds")
     parser.add_argument("--threads", type=int, help="torch threads (default: all CPUs)")
+    parser.add_argument("--prompt", type=int, default=500, help="tokens of the fresh prompt whose attention is timed")
     args = parser.parse_args(argv)
     if args.quick:
-        args.seqs, args.context, args.repeats = 8, 128, 3
+        args.seqs, args.context, args.repeats, args.prompt = 8, 128, 3, 96
     if args.threads:
         threads_set(args.threads)
     if not native.load():
@@ -206,6 +230,13 @@ def main(argv=None) -> int:
                 out[f"step_speedup_{name}_pool"] = step[slow] / step[fast]
                 print(f"{slow} -> {fast} pool: {args.precision} decode step {out[f'step_speedup_{name}_pool']:.2f}x, "
                       f"kernel {kernel[(best, slow)] / step[slow]:.0%} -> {kernel[(best, fast)] / step[fast]:.0%} of it")
+    fresh = fresh_prompt_ms(args.prompt, shape["h"], shape["kvh"], shape["d"], args.repeats)
+    out.update(prompt_tokens=args.prompt, fresh_pick=fresh_bf16_kind(),
+               **{f"fresh_ms_{kind}": ms for kind, ms in fresh.items()},
+               **{f"fresh_speedup_{kind}": fresh["fp32"] / ms for kind, ms in fresh.items() if kind != "fp32"})
+    print(f"a fresh {args.prompt}-token prompt's attention, one layer: "
+          + ", ".join(f"{kind} {ms:.2f} ms" + (f" ({fresh['fp32'] / ms:.2f}x)" if kind != "fp32" else "")
+                      for kind, ms in fresh.items()) + f"; the engine here picks {out['fresh_pick']}")
     emit_json(out)
     return 0
 

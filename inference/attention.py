@@ -99,28 +99,22 @@ def _gather(kv, layer, tables, which, dtype):
     return flat.transpose(-3, -2)
 
 
-FRESH_KINDS = ("fp32", "sdpa-bf16", "native-bf16")
-NATIVE_PREFILL_DIMS = (32, 64, 128)  # the head dims prefill_attention_bf16 is built for
-BF16_CLEAR_WIN = 0.8  # a bf16 path is taken only this much faster than fp32: its rounding must buy time
+FRESH_KINDS = ("fp32", "native-fp32", "sdpa-bf16", "native-bf16")
+FP32_KINDS = ("fp32", "native-fp32")  # kinds that round nothing: they compete on time alone
+NATIVE_PREFILL_DIMS = (32, 64, 128)  # the head dims prefill.cpp's kernels are built for
+BF16_CLEAR_WIN = 0.8  # a bf16 path is taken only this much faster than the fastest fp32 one: its rounding must buy time
 
 
 @lru_cache(maxsize=1)
 def fresh_bf16_kind() -> str:
     """How a fresh prompt attends over a bf16 pool on this CPU: `native-bf16` (inference.native's
     prefill_attention_bf16: AVX512-BF16 dot products; ~2x torch's fp32 SDPA on a Zen 4 EPYC, where torch's bf16 SDPA
-    is no faster), `sdpa-bf16` (torch's SDPA in bf16: ~3x fp32 on AMX) or `fp32` (torch's SDPA in fp32, where neither
-    bf16 path is a clear win: AVX2, or AVX-512 without bf16 instructions). Timed once per process on a 384-token,
-    9-head product (3 KV heads, head_dim 64), alternating, best of two rounds; logged."""
-    from inference import native
-
+    is no faster), `sdpa-bf16` (torch's SDPA in bf16: ~3x fp32 on AMX), `native-fp32` (prefill_attention_fp32: the
+    same tiling in fp32 FMAs on any AVX-512 CPU; 2.1x torch's fp32 SDPA on an Ice Lake Xeon, which has no bf16 dot
+    products) or `fp32` (torch's SDPA in fp32: AVX2, or where nothing beats it). Timed once per process on a
+    384-token, 9-head product (3 KV heads, head_dim 64), alternating, best of two rounds; logged."""
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(384, h, 64, generator=gen) for h in (9, 3, 3))
-    heads_first = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
-    out = torch.empty_like(q)
-    runs = {"fp32": lambda: causal_sdpa(*heads_first),
-            "sdpa-bf16": lambda: causal_sdpa(*(t.to(torch.bfloat16) for t in heads_first))}
-    if native.prefill_bf16_available():
-        runs["native-bf16"] = lambda: native.prefill_attention_bf16(out, q, k, v, 0.125)
+    runs = fresh_runs(*(torch.randn(384, h, 64, generator=gen) for h in (9, 3, 3)))
     best = {}
     for _ in range(2):
         for kind, run in runs.items():
@@ -134,31 +128,53 @@ def fresh_bf16_kind() -> str:
     return kind
 
 
+def fresh_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict:
+    """kind -> a call attending the fresh chunk q [T, H, D] over its own k, v [T, KVH, D] that way, for every kind
+    this CPU runs (FRESH_KINDS less the native kernels it lacks); what fresh_bf16_kind times, and bench.attention."""
+    from inference import native
+
+    heads_first = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
+    out, scale = torch.empty_like(q), q.shape[-1] ** -0.5
+    runs = {"fp32": lambda: causal_sdpa(*heads_first),
+            "sdpa-bf16": lambda: causal_sdpa(*(t.to(torch.bfloat16) for t in heads_first))}
+    if native.prefill_fp32_available():
+        runs["native-fp32"] = lambda: native.prefill_attention_fp32(out, q, k, v, scale)
+    if native.prefill_bf16_available():
+        runs["native-bf16"] = lambda: native.prefill_attention_bf16(out, q, k, v, scale)
+    return runs
+
+
 def fresh_kind_pick(seconds: dict) -> str:
-    """The fastest bf16 path of those timed (`seconds`: kind -> time, fp32's included) where it beats fp32 by
-    BF16_CLEAR_WIN, else fp32."""
-    bf16 = [kind for kind in seconds if kind != "fp32"]
+    """Of the kinds timed (`seconds`: kind -> time, fp32's included), the fastest that rounds nothing (FP32_KINDS),
+    unless a bf16 path beats it by BF16_CLEAR_WIN: then the fastest bf16 path."""
+    exact = min((kind for kind in seconds if kind in FP32_KINDS), key=seconds.get)
+    bf16 = [kind for kind in seconds if kind not in FP32_KINDS]
     if not bf16:
-        return "fp32"
+        return exact
     fastest = min(bf16, key=seconds.get)
-    return fastest if seconds[fastest] < BF16_CLEAR_WIN * seconds["fp32"] else "fp32"
+    return fastest if seconds[fastest] < BF16_CLEAR_WIN * seconds[exact] else exact
+
+
+NATIVE_FRESH = {"native-bf16": "prefill_attention_bf16", "native-fp32": "prefill_attention_fp32"}
 
 
 def _fresh_attention(out, q, k, v, batch, kv_dtype: torch.dtype):
     """A fresh prompt attends its own K/V. Over a bf16 pool on the CPU, where a bf16 path is faster
-    (fresh_bf16_kind), it attends them as the pool holds them, rounded to bf16 (q too), softmax and sums in fp32."""
+    (fresh_bf16_kind), it attends them as the pool holds them, rounded to bf16 (q too), softmax and sums in fp32;
+    where kvserve's own fp32 kernel is, in fp32 through it."""
     kind = fresh_bf16_kind() if (kv_dtype == torch.bfloat16 and q.dtype == torch.float32 and q.device.type == "cpu"
                                  and batch.fresh) else "fp32"
-    if kind == "native-bf16" and q.shape[-1] not in NATIVE_PREFILL_DIMS:
+    if kind in NATIVE_FRESH and q.shape[-1] not in NATIVE_PREFILL_DIMS:
         kind = "fp32"
     for s in batch.fresh:
         rows = slice(s.row_start, s.row_start + s.num_rows)
-        if kind == "native-bf16":
+        if kind in NATIVE_FRESH:  # q, k, v as views into the projection's output; straight into out's rows
             from inference import native
 
-            part = torch.empty_like(q[rows])
-            native.prefill_attention_bf16(part, *(x[rows].contiguous() for x in (q, k, v)), q.shape[-1] ** -0.5)
-            out[rows] = part
+            part = out[rows] if out.is_contiguous() else torch.empty_like(q[rows])
+            getattr(native, NATIVE_FRESH[kind])(part, q[rows], k[rows], v[rows], q.shape[-1] ** -0.5)
+            if part.data_ptr() != out[rows].data_ptr():
+                out[rows] = part
             continue
         dtype = torch.bfloat16 if kind == "sdpa-bf16" else q.dtype
         qp, kp, vp = (x[rows].transpose(0, 1).unsqueeze(0).to(dtype) for x in (q, k, v))

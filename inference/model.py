@@ -74,6 +74,9 @@ class Llama:
         # RMSNorm in one native pass on the CPU, writing the matmul's input dtype (bf16 modes skip a cast)
         self._fused_norm = self.device.type == "cpu" and dtype == torch.float32 and native.fused_available()
         self._norm_bf16 = gemm.activations == torch.bfloat16
+        # SiLU(gate) * up in one native pass outside fp32 (HF's numbers are torch's silu, bit for bit); layer.cpp's
+        # w4a8 steps take the same op, so both paths stay equal
+        self._fused_silu = self._fused_norm and gemm.mode != "fp32"
         groups = groups or {}
         w = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items()}
 
@@ -172,10 +175,12 @@ class Llama:
                 q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
                 kv.write(layer_idx, batch.slot_pages, batch.slot_offsets, k, v)
             attn = self._attend(q, k, v, kv, layer_idx, batch)
-            x = x + self._linear(attn.reshape(-1, num_q), layer["o"])
+            x.add_(self._linear(attn.reshape(-1, num_q), layer["o"]))  # in place: no new [T, hidden] a layer
             h = self._rms(x, layer["mlp_norm"])
             gate_up = self._linear(h, layer["gate_up"])  # slices, not chunk(): a third of its dispatch at one row
-            x = x + self._linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], layer["down"])
+            act = native.silu_mul(gate_up) if self._fused_silu and gate_up.is_contiguous() else \
+                F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+            x.add_(self._linear(act, layer["down"]))
         return x
 
     @torch.inference_mode()

@@ -1,7 +1,7 @@
 """The native CPU kernels: paged attention (paged_attention.cpp), a fresh prompt's attention in bf16 dot products
-(prefill.cpp), the fused elementwise ops of a layer (fused.cpp: RMSNorm; RoPE with the K/V pool write; the greedy
-rows' argmax), precision w4a8's integer matmul of the file's own weight blocks (quant.cpp) and a w4a8 decode step's
-decoder layers in one call (layer.cpp), built by
+or fp32 FMAs (prefill.cpp), the fused elementwise ops of a layer (fused.cpp: RMSNorm; RoPE with the K/V pool
+write; SiLU * up; the greedy rows' argmax), precision w4a8's integer matmul of the file's own weight blocks
+(quant.cpp) and a w4a8 decode step's decoder layers in one call (layer.cpp), built by
 `make install` (`python -m inference.native`) into inference/native/build/ as one library, loaded here as
 torch.ops.kvserve_paged.
 
@@ -100,9 +100,23 @@ def prefill_bf16_available() -> bool:
 
 
 def prefill_attention_bf16(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> None:
-    """A fresh prompt's causal attention into out [T, H, D] (prefill.cpp): q [T, H, D], k, v [T, KVH, D], all fp32
-    and contiguous, rounded to bf16 and multiplied in bf16 dot products with fp32 sums (head_dim 32, 64 or 128)."""
+    """A fresh prompt's causal attention into out [T, H, D] (prefill.cpp, contiguous): q [T, H, D], k, v [T, KVH, D],
+    all fp32, each row's heads contiguous (rows may lie any stride apart: views into a fused projection), rounded to
+    bf16 and multiplied in bf16 dot products with fp32 sums (head_dim 32, 64 or 128)."""
     torch.ops.kvserve_paged.prefill_attention_bf16(out, q, k, v, scale)
+
+
+def prefill_fp32_available() -> bool:
+    """Whether prefill_attention_fp32 runs here: the library loaded and AVX-512 not capped away."""
+    return bool(fused_available() and torch.ops.kvserve_paged.prefill_fp32_available())
+
+
+def prefill_attention_fp32(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> None:
+    """prefill_attention_bf16's tiling in fp32 FMAs (prefill.cpp): the same arguments, nothing rounded; for an
+    AVX-512 CPU without bf16 dot products, where torch's fp32 SDPA is the alternative."""
+    if not fused_available():
+        raise RuntimeError(f"the native kernels are not available: {load_error()}")
+    torch.ops.kvserve_paged.prefill_attention_fp32(out, q, k, v, scale)
 
 
 def attention_parts(keys: list[int]) -> list[int]:
@@ -115,6 +129,12 @@ def attention_parts(keys: list[int]) -> list[int]:
 def fused_available() -> bool:
     """Whether the fused ops are there (the library built and loaded)."""
     return _loaded.get("ok") or load()
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up of a contiguous fp32 [T, 2 I] fused gate|up projection, [T, I] (fused.cpp: one AVX-512 pass;
+    without AVX-512, torch's silu and mul)."""
+    return torch.ops.kvserve_paged.silu_mul(gate_up)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,7 @@ void one_layer(Tensor& x, const Tensor* w, const Tensor& cos, const Tensor& sin,
                const Tensor& query_start, const Tensor& query_len, double scale, int64_t heads, int64_t kv_heads,
                double eps) {
   static const auto rms = op("kvserve_paged::rms_norm").typed<Tensor(const Tensor&, const Tensor&, double, bool)>();
+  static const auto silu_mul = op("kvserve_paged::silu_mul").typed<Tensor(const Tensor&)>();
   static const auto rope_store = op("kvserve_paged::rope_store").typed<Tensor(
       const Tensor&, const Tensor&, const Tensor&, Tensor, int64_t, const Tensor&, const Tensor&, int64_t, int64_t)>();
   static const auto attend = op("kvserve_paged::paged_attention").typed<void(
@@ -54,8 +55,7 @@ void one_layer(Tensor& x, const Tensor* w, const Tensor& cos, const Tensor& sin,
   x.add_(coded(attn.view({T, heads * D}), w[4], w[5], w[6]));
   h = rms.call(x, w[7], eps, false);
   Tensor gate_up = coded(h, w[8], w[9], w[10]);
-  const int64_t inter = gate_up.size(1) / 2;
-  Tensor act = at::silu(gate_up.narrow(1, 0, inter)).mul_(gate_up.narrow(1, inter, inter)).contiguous();
+  Tensor act = silu_mul.call(gate_up).contiguous();
   x.add_(coded(act, w[11], w[12], w[13]));
 }
 

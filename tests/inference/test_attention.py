@@ -193,7 +193,8 @@ def test_kernel_and_rope_store_refuse_int8_rows_without_their_scale():
                           torch.tensor([1, 2]), torch.tensor([0, 0]), 4, 2)
 
 
-FRESH_KINDS = [k for k in attention.FRESH_KINDS if k != "native-bf16" or native.prefill_bf16_available()]
+AVAILABLE = {"native-bf16": native.prefill_bf16_available(), "native-fp32": native.prefill_fp32_available()}
+FRESH_KINDS = [k for k in attention.FRESH_KINDS if AVAILABLE.get(k, True)]
 
 
 @pytest.mark.parametrize("kind", FRESH_KINDS)
@@ -201,7 +202,8 @@ FRESH_KINDS = [k for k in attention.FRESH_KINDS if k != "native-bf16" or native.
 def test_a_fresh_prompt_over_a_bf16_pool_attends_in_bf16_only_where_that_is_faster(monkeypatch, kind, dtype):
     """Where a bf16 path measured faster (torch's bf16 SDPA on AMX, the native bf16 kernel on AVX512-BF16), a fresh
     chunk over a bf16 pool attends its K/V as the pool holds them, in bf16: within bf16's rounding of the fp32
-    product, not equal to it; elsewhere, and over an fp32 pool, fp32's own numbers."""
+    product, not equal to it; where kvserve's fp32 kernel did (an AVX-512 CPU without bf16 dot products), fp32's
+    numbers within fp32's rounding; elsewhere, and over an fp32 pool, fp32's own numbers."""
     monkeypatch.setattr(attention, "fresh_bf16_kind", lambda: kind)
     pool, batch, q, k, v = random_case(9, 3, 64, seed=5, dtype=dtype)
     for backend in ("native", "sdpa"):
@@ -210,9 +212,11 @@ def test_a_fresh_prompt_over_a_bf16_pool_attends_in_bf16_only_where_that_is_fast
             rows = slice(s.row_start, s.row_start + s.num_rows)
             ref = attention.causal_sdpa(*(x[rows].transpose(0, 1).unsqueeze(0) for x in (q, k, v)))
             got = out[rows].transpose(0, 1).unsqueeze(0)
-            if kind != "fp32" and dtype == torch.bfloat16:
+            if kind not in attention.FP32_KINDS and dtype == torch.bfloat16:
                 assert got.dtype == torch.float32 and not torch.equal(got, ref)
                 torch.testing.assert_close(got, ref, rtol=3e-2, atol=3e-2)
+            elif kind == "native-fp32" and dtype == torch.bfloat16:
+                torch.testing.assert_close(got, ref, rtol=0, atol=5e-6)
             else:
                 assert torch.equal(got, ref)
 
@@ -223,8 +227,12 @@ def test_a_fresh_prompt_over_a_bf16_pool_attends_in_bf16_only_where_that_is_fast
     ({"fp32": 10.0, "sdpa-bf16": 9.0, "native-bf16": 8.5}, "fp32"),  # no clear win: bf16's rounding buys nothing
     ({"fp32": 10.0, "sdpa-bf16": 7.0}, "sdpa-bf16"),  # no AVX512-BF16: the native kernel is not timed
     ({"fp32": 10.0}, "fp32"),
+    ({"fp32": 10.0, "native-fp32": 4.7, "sdpa-bf16": 24.0}, "native-fp32"),  # Ice Lake: no bf16 dot products
+    ({"fp32": 10.0, "native-fp32": 11.0, "sdpa-bf16": 20.0}, "fp32"),  # the exact kinds on time alone
+    ({"fp32": 10.0, "native-fp32": 6.0, "sdpa-bf16": 10.5, "native-bf16": 5.0}, "native-fp32"),  # bf16: not 0.8x
+    ({"fp32": 10.0, "native-fp32": 6.0, "sdpa-bf16": 10.5, "native-bf16": 4.0}, "native-bf16"),  # ... of the best
 ])
-def test_a_fresh_prompt_takes_the_fastest_bf16_path_only_where_it_clearly_wins(seconds, kind):
+def test_a_fresh_prompt_takes_the_fastest_exact_path_and_a_bf16_one_only_where_it_clearly_wins(seconds, kind):
     assert attention.fresh_kind_pick(seconds) == kind
 
 
@@ -233,6 +241,6 @@ def test_the_start_time_choice_times_every_path_this_cpu_runs_and_picks_by_the_r
     monkeypatch.setattr(attention, "fresh_kind_pick", lambda s: seen.update(s) or "fp32")
     with caplog.at_level(logging.INFO, logger="inference.attention"):
         assert attention.fresh_bf16_kind.__wrapped__() == "fp32"
-    assert set(seen) == {"fp32", "sdpa-bf16"} | ({"native-bf16"} if native.prefill_bf16_available() else set())
+    assert set(seen) == {"fp32", "sdpa-bf16"} | {kind for kind, here in AVAILABLE.items() if here}
     assert all(t > 0 for t in seen.values())
     assert "a fresh prompt's attention over a bf16 pool runs fp32" in caplog.text

@@ -1,5 +1,6 @@
 """The native fused RMSNorm (inference/native/fused.cpp) against torch's, in fp32 and straight to bf16, and the
-model running it on the CPU; the greedy rows' argmax against torch's in every build of its loop."""
+model running it on the CPU; SiLU(gate) * up against torch's silu and mul, and where the model runs it; the greedy
+rows' argmax against torch's in every build of its loop."""
 import os
 import subprocess
 import sys
@@ -45,6 +46,55 @@ def test_the_cpu_model_norms_natively_into_its_matmuls_dtype(tiny_model, real_mo
     assert torch.allclose(fp32._rms(x, w), F.rms_norm(x, (x.shape[-1],), w, fp32.config.rms_eps), atol=1e-5)
     bf16 = make_engine(real_model, precision="bf16").model
     assert bf16._norm_bf16 and bf16._rms(torch.randn(2, 576), bf16.norm).dtype == torch.bfloat16
+
+
+def check_silu_mul() -> str:
+    """native.silu_mul against torch's silu and mul: within fp32's rounding with AVX-512 (its own exp), torch's
+    numbers exactly without; returns which."""
+    gen = torch.Generator().manual_seed(3)
+    exact = True
+    for rows, inter in [(1, 1536), (3, 17), (70, 1000), (500, 1536)]:
+        gate_up = torch.randn(rows, 2 * inter, generator=gen) * 6
+        gate_up[0, :4] = torch.tensor([0.0, -0.0, 90.0, -90.0])
+        ref = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        got = native.silu_mul(gate_up)
+        assert got.shape == (rows, inter) and got.dtype == torch.float32
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+        exact = exact and torch.equal(got, ref)
+    nan = torch.ones(2, 64)
+    nan[1, 5] = float("nan")
+    got = native.silu_mul(nan)
+    assert got[1, 5].isnan() and not got[0].isnan().any()
+    return "torch" if exact else "own"
+
+
+def test_silu_mul_is_torchs_within_fp32s_rounding():
+    assert check_silu_mul() == ("own" if native.prefill_fp32_available() else "torch")  # both: AVX-512 under the cap
+
+
+def test_silu_mul_without_avx512_is_torchs_own():
+    env = {k: v for k, v in os.environ.items() if k != "KVSERVE_ATTN_ISA"} | {"ATEN_CPU_CAPABILITY": "avx2"}
+    out = subprocess.run([sys.executable, "-c", "from tests.inference.test_native_fused import check_silu_mul; "
+                          "print(check_silu_mul())"], env=env, capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "torch"
+
+
+def test_silu_mul_refuses_what_it_cannot_read():
+    with pytest.raises(RuntimeError, match="contiguous fp32"):
+        native.silu_mul(torch.randn(8, 4).t())
+    with pytest.raises(RuntimeError, match="2 I"):
+        native.silu_mul(torch.randn(4, 7))
+
+
+def test_the_model_fuses_silu_outside_fp32_only(tiny_model, real_model):
+    """fp32 is Hugging Face's numbers (torch's silu, bit for bit); w4a8 takes the one pass, in its Python loop as in
+    layer.cpp (test_native_layer: the two equal)."""
+    from tests.inference.helpers import make_engine
+
+    assert not make_engine(tiny_model).model._fused_silu
+    assert make_engine(real_model, precision="w4a8").model._fused_silu
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
