@@ -106,13 +106,9 @@ BF16_CLEAR_WIN = 0.8  # a bf16 path is taken only this much faster than the fast
 
 
 @lru_cache(maxsize=1)
-def fresh_bf16_kind() -> str:
-    """How a fresh prompt attends over a bf16 pool on this CPU: `native-bf16` (inference.native's
-    prefill_attention_bf16: AVX512-BF16 dot products; ~2x torch's fp32 SDPA on a Zen 4 EPYC, where torch's bf16 SDPA
-    is no faster), `sdpa-bf16` (torch's SDPA in bf16: ~3x fp32 on AMX), `native-fp32` (prefill_attention_fp32: the
-    same tiling in fp32 FMAs on any AVX-512 CPU; 2.1x torch's fp32 SDPA on an Ice Lake Xeon, which has no bf16 dot
-    products) or `fp32` (torch's SDPA in fp32: AVX2, or where nothing beats it). Timed once per process on a
-    384-token, 9-head product (3 KV heads, head_dim 64), alternating, best of two rounds; logged."""
+def fresh_timings() -> dict:
+    """Seconds of three calls of each fresh-prompt kind this CPU runs (fresh_runs) on a 384-token, 9-head product (3
+    KV heads, head_dim 64), alternating, best of two rounds; once per process."""
     gen = torch.Generator().manual_seed(0)
     runs = fresh_runs(*(torch.randn(384, h, 64, generator=gen) for h in (9, 3, 3)))
     best = {}
@@ -122,9 +118,27 @@ def fresh_bf16_kind() -> str:
             for _ in range(3):
                 run()
             best[kind] = min(best.get(kind, math.inf), time.perf_counter() - t0)
+    return best
+
+
+def fresh_exact_kind() -> str:
+    """The fastest fresh-prompt kind that rounds nothing (FP32_KINDS, by fresh_timings): an int8 pool's fresh prompt
+    attends its fp32 K/V this way (its codes are no bf16 to compute in)."""
+    best = fresh_timings()
+    return min((kind for kind in best if kind in FP32_KINDS), key=best.get)
+
+
+@lru_cache(maxsize=1)
+def fresh_bf16_kind() -> str:
+    """How a fresh prompt attends over a bf16 pool on this CPU: `native-bf16` (inference.native's
+    prefill_attention_bf16: AVX512-BF16 dot products; ~2x torch's fp32 SDPA on a Zen 4 EPYC, where torch's bf16 SDPA
+    is no faster), `sdpa-bf16` (torch's SDPA in bf16: ~3x fp32 on AMX), `native-fp32` (prefill_attention_fp32: the
+    same tiling in fp32 FMAs on any AVX-512 CPU; 2.1x torch's fp32 SDPA on an Ice Lake Xeon, which has no bf16 dot
+    products) or `fp32` (torch's SDPA in fp32: AVX2, or where nothing beats it), by fresh_timings; logged."""
+    best = fresh_timings()
     kind = fresh_kind_pick(best)
     log.info("a fresh prompt's attention over a bf16 pool runs %s (%s per 3 calls)", kind,
-             ", ".join(f"{name} {best[name] * 1e3:.2f} ms" for name in runs))
+             ", ".join(f"{name} {seconds * 1e3:.2f} ms" for name, seconds in best.items()))
     return kind
 
 
@@ -161,9 +175,14 @@ NATIVE_FRESH = {"native-bf16": "prefill_attention_bf16", "native-fp32": "prefill
 def _fresh_attention(out, q, k, v, batch, kv_dtype: torch.dtype):
     """A fresh prompt attends its own K/V. Over a bf16 pool on the CPU, where a bf16 path is faster
     (fresh_bf16_kind), it attends them as the pool holds them, rounded to bf16 (q too), softmax and sums in fp32;
-    where kvserve's own fp32 kernel is, in fp32 through it."""
-    kind = fresh_bf16_kind() if (kv_dtype == torch.bfloat16 and q.dtype == torch.float32 and q.device.type == "cpu"
-                                 and batch.fresh) else "fp32"
+    where kvserve's own fp32 kernel is, in fp32 through it; over an int8 pool, the faster fp32 way
+    (fresh_exact_kind). An fp32 pool (fp32 mode: Hugging Face's numbers) keeps torch's fp32 SDPA."""
+    kind = "fp32"
+    if q.dtype == torch.float32 and q.device.type == "cpu" and batch.fresh:
+        if kv_dtype == torch.bfloat16:
+            kind = fresh_bf16_kind()
+        elif kv_dtype == torch.int8:
+            kind = fresh_exact_kind()
     if kind in NATIVE_FRESH and q.shape[-1] not in NATIVE_PREFILL_DIMS:
         kind = "fp32"
     for s in batch.fresh:

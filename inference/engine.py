@@ -149,7 +149,7 @@ class Engine:
         num_pages = config.pages_for(mc, kv_dtype)
         self.pool = PagePool(num_pages, config.page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, kv_dtype,
                              device)
-        if kv_dtype == torch.bfloat16 and dtype == torch.float32 and device.type == "cpu":
+        if kv_dtype in (torch.bfloat16, torch.int8) and dtype == torch.float32 and device.type == "cpu":
             fresh_bf16_kind()  # decided (timed once, logged) at start, not by the first prompt's step
         allocator: PageAllocator = (allocator_factory or (lambda n: LocalAllocator(n)))(num_pages)
         self.block_manager = BlockManager(allocator, self.pool, config.scrub_policy, config.faults)

@@ -197,14 +197,16 @@ AVAILABLE = {"native-bf16": native.prefill_bf16_available(), "native-fp32": nati
 FRESH_KINDS = [k for k in attention.FRESH_KINDS if AVAILABLE.get(k, True)]
 
 
-@pytest.mark.parametrize("kind", FRESH_KINDS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind,dtype", [(kind, dtype) for kind in FRESH_KINDS
+                                        for dtype in (torch.float32, torch.bfloat16, torch.int8)
+                                        if dtype != torch.int8 or kind in attention.FP32_KINDS])
 def test_a_fresh_prompt_over_a_bf16_pool_attends_in_bf16_only_where_that_is_faster(monkeypatch, kind, dtype):
     """Where a bf16 path measured faster (torch's bf16 SDPA on AMX, the native bf16 kernel on AVX512-BF16), a fresh
     chunk over a bf16 pool attends its K/V as the pool holds them, in bf16: within bf16's rounding of the fp32
-    product, not equal to it; where kvserve's fp32 kernel did (an AVX-512 CPU without bf16 dot products), fp32's
-    numbers within fp32's rounding; elsewhere, and over an fp32 pool, fp32's own numbers."""
+    product, not equal to it; where kvserve's fp32 kernel did (an AVX-512 CPU without bf16 dot products), over a
+    bf16 or an int8 pool, fp32's numbers within fp32's rounding; elsewhere, and over an fp32 pool, fp32's own."""
     monkeypatch.setattr(attention, "fresh_bf16_kind", lambda: kind)
+    monkeypatch.setattr(attention, "fresh_exact_kind", lambda: kind)
     pool, batch, q, k, v = random_case(9, 3, 64, seed=5, dtype=dtype)
     for backend in ("native", "sdpa"):
         out = BACKENDS[backend](q, k, v, pool, 0, AttentionBatch(**{**batch.__dict__, "cache": {}}))
@@ -215,7 +217,7 @@ def test_a_fresh_prompt_over_a_bf16_pool_attends_in_bf16_only_where_that_is_fast
             if kind not in attention.FP32_KINDS and dtype == torch.bfloat16:
                 assert got.dtype == torch.float32 and not torch.equal(got, ref)
                 torch.testing.assert_close(got, ref, rtol=3e-2, atol=3e-2)
-            elif kind == "native-fp32" and dtype == torch.bfloat16:
+            elif kind == "native-fp32" and dtype != torch.float32:
                 torch.testing.assert_close(got, ref, rtol=0, atol=5e-6)
             else:
                 assert torch.equal(got, ref)
@@ -234,6 +236,16 @@ def test_a_fresh_prompt_over_a_bf16_pool_attends_in_bf16_only_where_that_is_fast
 ])
 def test_a_fresh_prompt_takes_the_fastest_exact_path_and_a_bf16_one_only_where_it_clearly_wins(seconds, kind):
     assert attention.fresh_kind_pick(seconds) == kind
+
+
+@pytest.mark.parametrize("seconds,kind", [
+    ({"fp32": 10.0, "native-fp32": 4.7, "sdpa-bf16": 1.0}, "native-fp32"),  # a bf16 kind never serves an int8 pool
+    ({"fp32": 3.0, "native-fp32": 4.7, "native-bf16": 1.0}, "fp32"),
+    ({"fp32": 3.0, "sdpa-bf16": 1.0}, "fp32"),  # AVX2: torch's fp32 SDPA, the only exact kind
+])
+def test_an_int8_pools_fresh_prompt_takes_the_fastest_exact_kind(monkeypatch, seconds, kind):
+    monkeypatch.setattr(attention, "fresh_timings", lambda: seconds)
+    assert attention.fresh_exact_kind() == kind
 
 
 def test_the_start_time_choice_times_every_path_this_cpu_runs_and_picks_by_the_rule(monkeypatch, caplog):
