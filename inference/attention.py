@@ -188,12 +188,9 @@ def _fresh_attention(out, q, k, v, batch, kv_dtype: torch.dtype):
     for s in batch.fresh:
         rows = slice(s.row_start, s.row_start + s.num_rows)
         if kind in NATIVE_FRESH:  # q, k, v as views into the projection's output; straight into out's rows
-            from inference import native
+            from inference import native  # (out: empty_like(q), contiguous; the kernel refuses any other)
 
-            part = out[rows] if out.is_contiguous() else torch.empty_like(q[rows])
-            getattr(native, NATIVE_FRESH[kind])(part, q[rows], k[rows], v[rows], q.shape[-1] ** -0.5)
-            if part.data_ptr() != out[rows].data_ptr():
-                out[rows] = part
+            getattr(native, NATIVE_FRESH[kind])(out[rows], q[rows], k[rows], v[rows], q.shape[-1] ** -0.5)
             continue
         dtype = torch.bfloat16 if kind == "sdpa-bf16" else q.dtype
         qp, kp, vp = (x[rows].transpose(0, 1).unsqueeze(0).to(dtype) for x in (q, k, v))

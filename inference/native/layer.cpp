@@ -55,8 +55,7 @@ void one_layer(Tensor& x, const Tensor* w, const Tensor& cos, const Tensor& sin,
   x.add_(coded(attn.view({T, heads * D}), w[4], w[5], w[6]));
   h = rms.call(x, w[7], eps, false);
   Tensor gate_up = coded(h, w[8], w[9], w[10]);
-  Tensor act = silu_mul.call(gate_up).contiguous();
-  x.add_(coded(act, w[11], w[12], w[13]));
+  x.add_(coded(silu_mul.call(gate_up), w[11], w[12], w[13]));  // silu_mul's output: contiguous
 }
 
 // x [T, hidden] fp32, updated in place to the last layer's output; w: every layer's 14 tensors in layer order.
