@@ -324,7 +324,7 @@ def test_auto_applies_the_w4a8_rule_to_what_it_timed(real_model, monkeypatch):
 
     fp32 = gemm_for("fp32", cpu, "onednn")
     gemms = {"fp32": slowed(fp32, 0.004), "int4w": dataclasses.replace(fp32, mode="int4w"),
-             "w4a8": slowed(gemm_for("w4a8", cpu, "onednn"), 0.002)}
+             "w4a8": slowed(gemm_for("w4a8", cpu, "onednn"), 0.006)}  # 2 ms: ~fp32's own time on an Ice Lake
     shapes = timing_shapes(real_model.config)
     for slack, expected in ((1e6, "w4a8"), (1.0, "int4w")):
         monkeypatch.setattr(precision, "W4A8_SLACK", slack)
