@@ -167,6 +167,14 @@ def set_isa(name: str = "") -> str:
     return torch.ops.kvserve_paged.set_isa(name)
 
 
+def set_int8_passes(passes: int = 0) -> int:
+    """The int8 pool's AVX-512 loop: 2 passes (the default: every score, one softmax, then V) or 1 (online softmax,
+    fp32 and bf16 rows' loop); 0 only reads it. Returns the one in use (bench.attention times both)."""
+    if not _loaded.get("ok") and not load():
+        raise RuntimeError(f"the paged-attention kernel is not available: {load_error()}")
+    return torch.ops.kvserve_paged.set_int8_passes(passes)
+
+
 def w4a8_linear(x: torch.Tensor, nibbles: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """x [R, K] fp32 times Q4 blocks (nibbles uint8 [N, K/2], w = d * code + m per 32), activations quantized
     to int8 per 32 (quant.cpp); fp32 [R, N]."""

@@ -91,6 +91,10 @@ def test_attention_quick_times_the_pool_on_huge_and_on_4kb_pages_and_ends_with_o
         # the pool the bench times is the engine's own PagePool: on huge pages wherever the kernel gives them
         assert result[f"huge_page_share_{d}"] > 0.5 or result["thp"] not in ("always", "madvise"), result
     assert result["stream_gb_s"] > 0  # the plain read the kernels' rates are set against
+    # the int8 pool's AVX-512 loop in one pass beside its default two
+    assert ("speedup_int8_two_pass" in result) == (best == "avx512")
+    if best == "avx512":
+        assert result["kernel_ms_1pass_int8"] > 0 and result["speedup_int8_two_pass"] > 0
     # a fresh prompt's attention in every kind this CPU runs, torch's fp32 SDPA the yardstick, and the engine's pick
     assert result["fresh_ms_fp32"] > 0 and result["fresh_ms_sdpa-bf16"] > 0
     from inference import native

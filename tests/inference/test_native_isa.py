@@ -177,3 +177,28 @@ def test_the_int8_loop_rounds_q_per_head_at_any_size(q_scale):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=2e-5 if q_scale < 1 else 4e-3)
     native.set_isa("generic")
     torch.testing.assert_close(BACKENDS["native"](q, k, v, pool, 1, batch), ref, rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("ctx", [1, 15, 17, 256, 300, 1000])
+def test_the_int8_pools_two_pass_loop_and_its_online_loop_match_the_reference(ctx):
+    """Over an int8 pool the AVX-512 loop runs in two passes (every score, one softmax per head, then V) unless told
+    one: both within the int8 tolerance of the reference, over ragged contexts, a chunk and parts of a long row."""
+    if "avx512" not in runnable_isas():
+        pytest.skip("this CPU cannot run avx512")
+    gen = torch.Generator().manual_seed(ctx)
+    pool = PagePool(cdiv(ctx + 40, 16) * 4 + 8, 16, 2, 3, 64, dtype=torch.int8)
+    fill_pool_randn(pool, gen)
+    batch, q, k, v, ref = decode_batch(pool, 9, [ctx, ctx + 5, max(1, ctx - 3), ctx], [1, 1, 1, min(ctx, 7)], gen)
+    native.set_isa("avx512")
+    assert native.set_int8_passes() == 2  # the default
+    try:
+        outs = {}
+        for passes in (2, 1):
+            assert native.set_int8_passes(passes) == passes
+            outs[passes] = BACKENDS["native"](q, k, v, pool, 1, batch)
+            torch.testing.assert_close(outs[passes], ref, **kernel_tolerance(torch.int8))
+        torch.testing.assert_close(outs[2], outs[1], **kernel_tolerance(torch.int8))
+    finally:
+        native.set_int8_passes(2)
+    with pytest.raises(RuntimeError, match="1 or 2 passes"):
+        native.set_int8_passes(3)
