@@ -8,11 +8,13 @@ switched off (Tenant.max_in_flight = kv_share = 0) for contrast. A's flood clien
 after Retry-After when refused. Prints B's median time to first token and completion time side by side and
 the flood / alone ratios (target <= 2 with fair share) and what the flood adds to B's TTFT in milliseconds (the ratio's
 denominator shrinks as B's own request gets faster: 0.106 s at 239fa1d, 0.027-0.043 s at stop 46, while the flood
-added 8 and then 43-51 ms), then one JSON line.
+added 8 and then 43-51 ms), where B's requests spent their time hop by hop (from their ChatRequest rows: queue,
+prefill, handoff, decode), then one JSON line.
 """
 import argparse
 import asyncio
 import sys
+from datetime import datetime
 import tempfile
 from pathlib import Path
 
@@ -50,7 +52,7 @@ async def flood(client, url, key, model, stop: asyncio.Event, max_tokens, counts
 def merge(parts: list[dict]) -> dict:
     """One phase's rounds together: medians over every probe, counts summed."""
     out = {k: sum(p[k] for p in parts) for k in parts[0] if k != "samples" and not k.endswith("_s")}
-    out.update({k: median(x for p in parts for x in p["samples"][k]) for k in ("ttft_s", "completion_s")})
+    out.update({k: median(x for p in parts for x in p["samples"].get(k, ())) for k in ("ttft_s", "completion_s") + HOPS})
     return out
 
 
@@ -71,6 +73,30 @@ async def phase(url, keys, model, *, flood_clients, probes, probe_tokens, flood_
             "ttft_s": median(r["ttft"] for r in ok), "completion_s": median(r["latency"] for r in ok),
             "b_ok": len(ok), "b_errors": len(results) - len(ok), "a_served": counts["served"],
             "a_refused_429": counts["refused"], "a_errors": counts["errors"]}
+
+
+HOPS = ("queue_ms", "prefill_ms", "handoff_ms", "decode_ms")
+
+
+def stamp(value) -> datetime:
+    """A ChatRequest timestamp as the stack's database returns it: a datetime (PostgreSQL) or text (SQLite)."""
+    return value if isinstance(value, datetime) else datetime.fromisoformat(str(value))
+
+
+def b_hops(stack, since) -> dict:
+    """Where B's requests created after `since` spent their time, from their ChatRequest rows: created -> prefill
+    started (queue), -> prefill finished, -> decode started (handoff), -> finished (decode, first token included)."""
+    rows = stack.sql("SELECT c.created_at, c.prefill_started_at, c.prefill_finished_at, c.decode_started_at, "
+                     "c.finished_at FROM chat_chatrequest c JOIN tenants_tenant t ON c.tenant_id = t.id "
+                     "WHERE t.name = ? AND c.created_at > ? ORDER BY c.created_at", "bench-B", since)
+    out = {hop: [] for hop in HOPS}
+    for row in rows:
+        if any(v is None for v in row):
+            continue
+        t = [stamp(v) for v in row]
+        for hop, (a, b) in zip(HOPS, zip(t, t[1:])):
+            out[hop].append((b - a).total_seconds() * 1e3)
+    return out
 
 
 def stack_start(workdir: Path, model: str, max_in_flight: int, kv_share: float):
@@ -114,14 +140,16 @@ def main(argv=None) -> None:
                     stack.sql(f"UPDATE tenants_tenant SET max_in_flight = {a_limits}, kv_share = {a_limits} "
                               "WHERE name = ?", "bench-A")
                     log(f"round {r + 1}/{rounds}: {name}")
+                    since = stack.sql("SELECT coalesce(max(created_at), '1970-01-01') FROM chat_chatrequest")[0][0]
                     runs[name].append(asyncio.run(phase(url, keys, model, flood_clients=0 if name == "alone"
                                                         else args.flood_clients, **shape)))
+                    runs[name][-1]["samples"].update(b_hops(stack, since))
             alone, fair, unfair = (merge(runs[name]) for name in ("alone", "fair", "unlimited"))
         finally:
             stack.close()
     rows = [{"phase": name, **r} for name, r in (("B alone", alone), ("A floods, fair share", fair),
                                                  ("A floods, A unlimited", unfair))]
-    print_table(rows, ["phase", "ttft_s", "completion_s", "b_ok", "b_errors", "a_served", "a_refused_429",
+    print_table(rows, ["phase", "ttft_s", "completion_s", *HOPS, "b_ok", "b_errors", "a_served", "a_refused_429",
                        "a_errors"], title=f"fairness: B's short requests (median of {probes} x {rounds} rounds, interleaved), model {args.model}, "
                                           f"A: {args.flood_clients} flood clients")
 
@@ -137,11 +165,15 @@ def main(argv=None) -> None:
               "ttft_added_ms": (fair["ttft_s"] - alone["ttft_s"]) * 1e3,
               "unlimited_ttft_added_ms": (unfair["ttft_s"] - alone["ttft_s"]) * 1e3,
               "alone": alone, "fair": fair, "unlimited": unfair}
+    result["hops_added_ms"] = {hop: fair[hop] - alone[hop] for hop in HOPS}
     result["target_met"] = result["ttft_ratio"] <= 2 and result["completion_ratio"] <= 2 and fair["b_errors"] == 0
     print(f"flood / alone, fair share on: TTFT {result['ttft_ratio']:.2f}x, completion "
           f"{result['completion_ratio']:.2f}x (target <= 2x); A unlimited: TTFT {result['unlimited_ttft_ratio']:.2f}x, "
           f"completion {result['unlimited_completion_ratio']:.2f}x; the flood adds {result['ttft_added_ms']:.0f} ms to B's "
           f"TTFT under fair share, {result['unlimited_ttft_added_ms']:.0f} ms unlimited")
+    print("B's time by hop (ChatRequest rows), alone -> A flooding under fair share: "
+          + ", ".join(f"{hop.removesuffix('_ms')} {alone[hop]:.1f} -> {fair[hop]:.1f} ms" for hop in HOPS)
+          + " (decode: from its start to the last token, the first included)")
     emit_json(result)
 
 
