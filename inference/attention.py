@@ -128,6 +128,17 @@ def fresh_exact_kind() -> str:
     return min((kind for kind in best if kind in FP32_KINDS), key=best.get)
 
 
+def fresh_kind(kv_dtype: torch.dtype) -> str:
+    """How an fp32 model's fresh prompt attends on the CPU over a pool of `kv_dtype`: a bf16 pool's way
+    (fresh_bf16_kind), an int8 pool's (fresh_exact_kind), else torch's fp32 SDPA (an fp32 pool: Hugging Face's
+    numbers). The engine calls it at start so the timing is done (and logged) before the first prompt."""
+    if kv_dtype == torch.bfloat16:
+        return fresh_bf16_kind()
+    if kv_dtype == torch.int8:
+        return fresh_exact_kind()
+    return "fp32"
+
+
 @lru_cache(maxsize=1)
 def fresh_bf16_kind() -> str:
     """How a fresh prompt attends over a bf16 pool on this CPU: `native-bf16` (inference.native's
@@ -177,12 +188,7 @@ def _fresh_attention(out, q, k, v, batch, kv_dtype: torch.dtype):
     (fresh_bf16_kind), it attends them as the pool holds them, rounded to bf16 (q too), softmax and sums in fp32;
     where kvserve's own fp32 kernel is, in fp32 through it; over an int8 pool, the faster fp32 way
     (fresh_exact_kind). An fp32 pool (fp32 mode: Hugging Face's numbers) keeps torch's fp32 SDPA."""
-    kind = "fp32"
-    if q.dtype == torch.float32 and q.device.type == "cpu" and batch.fresh:
-        if kv_dtype == torch.bfloat16:
-            kind = fresh_bf16_kind()
-        elif kv_dtype == torch.int8:
-            kind = fresh_exact_kind()
+    kind = fresh_kind(kv_dtype) if q.dtype == torch.float32 and q.device.type == "cpu" and batch.fresh else "fp32"
     if kind in NATIVE_FRESH and q.shape[-1] not in NATIVE_PREFILL_DIMS:
         kind = "fp32"
     for s in batch.fresh:

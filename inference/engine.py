@@ -10,7 +10,7 @@ import torch
 
 from inference import admission, native
 from inference.allocator import LocalAllocator, PageAllocator, cache_entry
-from inference.attention import fresh_bf16_kind, select_backend
+from inference.attention import fresh_kind, select_backend
 from inference.block_manager import BlockManager, OwnershipViolation, Violation
 from inference.choices import ChoiceGroup, choice_id, choice_params, choice_scope
 from inference.faults import NO_FAULTS, Faults
@@ -149,8 +149,8 @@ class Engine:
         num_pages = config.pages_for(mc, kv_dtype)
         self.pool = PagePool(num_pages, config.page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, kv_dtype,
                              device)
-        if kv_dtype in (torch.bfloat16, torch.int8) and dtype == torch.float32 and device.type == "cpu":
-            fresh_bf16_kind()  # decided (timed once, logged) at start, not by the first prompt's step
+        if dtype == torch.float32 and device.type == "cpu":
+            fresh_kind(kv_dtype)  # decided (timed once) at start, not by the first prompt's step
         allocator: PageAllocator = (allocator_factory or (lambda n: LocalAllocator(n)))(num_pages)
         self.block_manager = BlockManager(allocator, self.pool, config.scrub_policy, config.faults)
         if not 0 <= config.watermark < 1:

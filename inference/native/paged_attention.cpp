@@ -290,7 +290,11 @@ struct HeadStates {
 // int8 loop, bound by its own work, reads a block's ~100 lines in ~600 ns, and one block ahead left the share
 // prefetched last arriving late: two ahead, 1.13x out of cache (Zen 4). With A > 1 the first A blocks' lines are
 // prefetched at once as the item starts.
-enum class Lines { kv = 0, k = 1, v = 2 };  // which rows of a block RowBlocks prefetches: K and V, K only, V only
+// The int8 pool's AVX-512 loop: 2 (attend_item_avx512_2p, the default) or 1 (the online loop, as fp32 and bf16 rows
+// run it), the set_int8_passes op: python -m bench.attention times both
+std::atomic<int> g_int8_passes{2};
+
+enum class Lines { kv, k, v };  // which rows of a block RowBlocks prefetches: K and V, K only, V only
 
 template <typename KV, int B, int A = 1, Lines L = Lines::kv>
 class RowBlocks {
@@ -692,6 +696,32 @@ KVS_INLINE void block_dots(const float* qs, const int16_t* q16, const float* qsc
   }
 }
 
+// A block's V rows weighted into GG heads' sums (acc: the first head's, 16 NC floats a head): each sum rescaled by its
+// head's alpha (nullptr: kept), then w[g * wstride + t] times token t's row added in; the next block's lines
+// prefetched a share per four tokens, from share `pf0` on
+template <int GG, int NC, bool kFull, typename KV, typename Prefetch>
+KVS_INLINE void weigh_block_avx512(const KV* const* rows, int m, int64_t at, const float* w, int64_t wstride,
+                                   const float* alpha, __mmask16 tail, float* acc, int64_t pf0, Prefetch&& prefetch) {
+  __m512 o[GG][NC];
+  for (int g = 0; g < GG; ++g)
+    for (int c = 0; c < NC; ++c) {
+      o[g][c] = _mm512_loadu_ps(acc + g * 16 * NC + 16 * c);
+      if (alpha) o[g][c] = _mm512_mul_ps(o[g][c], _mm512_set1_ps(alpha[g]));
+    }
+  for (int t = 0; t < m; ++t) {
+    if ((t & 3) == 0) prefetch(pf0 + t / 4);
+    const KV* v = rows[t] + at;
+    __m512 vc[NC];
+    for (int c = 0; c < NC; ++c) vc[c] = load16<kFull>(v + 16 * c, c == NC - 1 ? tail : 0xFFFF);
+    for (int g = 0; g < GG; ++g) {
+      const __m512 wt = _mm512_set1_ps(w[g * wstride + t]);
+      for (int c = 0; c < NC; ++c) o[g][c] = _mm512_fmadd_ps(wt, vc[c], o[g][c]);
+    }
+  }
+  for (int g = 0; g < GG; ++g)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + g * 16 * NC + 16 * c, o[g][c]);
+}
+
 // One block for the GG query heads h0 .. h0 + GG - 1 that share KV head kvh: each K and V row is loaded (a bf16 row
 // widened) once for all of them; each head's arithmetic is the one-head loop's, in the same order. Per head the 16
 // scores as one vector (FMAs over head_dim per token, the tree as the tokens come), an online-softmax update of its
@@ -708,33 +738,21 @@ KVS_INLINE void attend_heads_avx512(const float* qs, const int16_t* q16, const f
   __m512 dots[GG];
   block_dots<GG, NC, kFull, KV>(qs, q16, qsc, h0, kvh, D, rows, tail, dots, prefetch);
   alignas(64) float pw[GG][16];
-  __m512 o[GG][NC];
+  float alpha[GG];
   for (int g = 0; g < GG; ++g) {
     const int64_t h = h0 + g;
     const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, dots[g]);
     const float m_old = mx[h];
     const float m_new = std::max(m_old, _mm512_reduce_max_ps(s));
     const __m512 pv = _mm512_maskz_mov_ps(valid, exp512_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
-    const float alpha = m_old == -std::numeric_limits<float>::infinity()
+    alpha[g] = m_old == -std::numeric_limits<float>::infinity()
         ? 0.f : _mm512_cvtss_f32(exp512_nonpositive(_mm512_set1_ps(m_old - m_new)));
     mx[h] = m_new;
-    sm[h] = sm[h] * alpha + _mm512_reduce_add_ps(pv);
+    sm[h] = sm[h] * alpha[g] + _mm512_reduce_add_ps(pv);
     _mm512_store_ps(pw[g], kScaled<KV> ? _mm512_mul_ps(pv, _mm512_load_ps(vs)) : pv);  // V rows' weights
-    const __m512 av = _mm512_set1_ps(alpha);
-    for (int c = 0; c < NC; ++c) o[g][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + h * 16 * NC + 16 * c), av);
   }
-  for (int t = 0; t < m; ++t) {
-    if ((t & 3) == 0) prefetch(4 + t / 4);
-    const KV* v = rows[t] + v_offset + kvh * Dr;
-    __m512 vc[NC];
-    for (int c = 0; c < NC; ++c) vc[c] = load16<kFull>(v + 16 * c, c == NC - 1 ? tail : 0xFFFF);
-    for (int g = 0; g < GG; ++g) {
-      const __m512 w = _mm512_set1_ps(pw[g][t]);
-      for (int c = 0; c < NC; ++c) o[g][c] = _mm512_fmadd_ps(w, vc[c], o[g][c]);
-    }
-  }
-  for (int g = 0; g < GG; ++g)
-    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + (h0 + g) * 16 * NC + 16 * c, o[g][c]);
+  weigh_block_avx512<GG, NC, kFull, KV>(rows, m, v_offset + kvh * Dr, &pw[0][0], 16, alpha, tail,
+                                        acc + h0 * 16 * NC, 4, prefetch);
 }
 
 // An item's queries, scaled once: each head padded to 16 * NC lanes with zeros, 64-byte aligned; for an int8 pool
@@ -796,28 +814,6 @@ KVS_INLINE void attend_item_avx512(const float* q, float* out, const KV* pool, c
   st.finish(out, part, D);
 }
 
-// A block's V rows weighted into the GG heads h0 .. of KV head kvh (sums in acc, H x 16 NC): w[g] head h0 + g's 16
-// weights (times the V rows' scales for an int8 pool)
-template <int GG, int NC, bool kFull, typename KV, typename Prefetch>
-KVS_INLINE void weigh_block_avx512(const KV* const* rows, int m, int64_t at, const float* w, int64_t wstride,
-                                   __mmask16 tail, float* acc, Prefetch&& prefetch) {
-  __m512 o[GG][NC];
-  for (int g = 0; g < GG; ++g)
-    for (int c = 0; c < NC; ++c) o[g][c] = _mm512_loadu_ps(acc + g * 16 * NC + 16 * c);
-  for (int t = 0; t < m; ++t) {
-    if ((t & 3) == 0) prefetch(t / 4);
-    const KV* v = rows[t] + at;
-    __m512 vc[NC];
-    for (int c = 0; c < NC; ++c) vc[c] = load16<kFull>(v + 16 * c, c == NC - 1 ? tail : 0xFFFF);
-    for (int g = 0; g < GG; ++g) {
-      const __m512 wt = _mm512_set1_ps(w[g * wstride + t]);
-      for (int c = 0; c < NC; ++c) o[g][c] = _mm512_fmadd_ps(wt, vc[c], o[g][c]);
-    }
-  }
-  for (int g = 0; g < GG; ++g)
-    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + g * 16 * NC + 16 * c, o[g][c]);
-}
-
 // One item (or part) in two passes, the int8 pool's loop: every block's scores for every head (the K rows, block by
 // block in memory order, the next blocks' K lines prefetched), then per head one maximum, one pass of exp and one
 // sum over all its scores, then the V rows block by block (their lines prefetched likewise; the first two while the
@@ -831,6 +827,7 @@ KVS_INLINE void attend_item_avx512_2p(const float* q, float* out, const KV* pool
                                       int64_t v_offset, int64_t ps, float scale, std::vector<float>& state,
                                       std::vector<float>& qbuf, std::vector<int16_t>& q16buf,
                                       std::vector<float>& sbuf, float* part) {
+  static_assert(kScaled<KV>, "the two-pass loop is the int8 pool's");
   const int64_t G = H / KVH, Dr = D + kRowExtra<KV>, row_len = KVH * Dr, n = te - tb, NB = kvs::cdiv(n, 16);
   const __mmask16 tail = static_cast<__mmask16>(kFull ? 0xFFFF : (1u << (D - 16 * (NC - 1))) - 1);
   HeadStates st(state, H, 16 * NC);
@@ -842,8 +839,7 @@ KVS_INLINE void attend_item_avx512_2p(const float* q, float* out, const KV* pool
   float* sc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sbuf.data()) + 63) & ~uintptr_t{63});
   const int64_t groups = kvs::cdiv(G, kHeadGroup);
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  RowBlocks<KV, 16, kScaled<KV> ? 2 : 1, Lines::k> blk(pool, table, tb, te, page_stride, row_len, ps, v_offset,
-                                                       KVH * groups * 4);
+  RowBlocks<KV, 16, 2, Lines::k> blk(pool, table, tb, te, page_stride, row_len, ps, v_offset, KVH * groups * 4);
   for (int64_t b = 0; blk.next(); ++b) {
     const int m = blk.m;
     const __mmask16 valid = static_cast<__mmask16>(m == 16 ? 0xFFFF : (1u << m) - 1);
@@ -891,34 +887,28 @@ KVS_INLINE void attend_item_avx512_2p(const float* q, float* out, const KV* pool
     for (int64_t kvh = 0; kvh < KVH; ++kvh) {
       const int64_t at = v_offset + kvh * Dr;
       float* w = sc + b * 16;
-      if constexpr (kScaled<KV>) {  // the V rows' scales into this block's weights
-        alignas(64) float vs[16];
-        for (int t = 0; t < 16; ++t) vs[t] = row_scale(rows[t] + at, D);
-        const __m512 v = _mm512_load_ps(vs);
-        for (int64_t j = 0; j < G; ++j) {
-          float* wj = w + (kvh * G + j) * W;
-          _mm512_store_ps(wj, _mm512_mul_ps(_mm512_load_ps(wj), v));
-        }
+      alignas(64) float vs[16];  // the V rows' scales into this block's weights
+      for (int t = 0; t < 16; ++t) vs[t] = row_scale(rows[t] + at, D);
+      const __m512 v = _mm512_load_ps(vs);
+      for (int64_t j = 0; j < G; ++j) {
+        float* wj = w + (kvh * G + j) * W;
+        _mm512_store_ps(wj, _mm512_mul_ps(_mm512_load_ps(wj), v));
       }
       for (int64_t g = 0; g < G; g += kHeadGroup, step += 4) {
         const int64_t h0 = kvh * G + g, nh = std::min(kHeadGroup, G - g);
         float* acc = st.acc + h0 * 16 * NC;
         const float* wh = w + h0 * W;
         switch (nh) {
-          case 1: weigh_block_avx512<1, NC, kFull, KV>(rows, m, at, wh, W, tail, acc, prefetch); break;
-          case 2: weigh_block_avx512<2, NC, kFull, KV>(rows, m, at, wh, W, tail, acc, prefetch); break;
-          case 3: weigh_block_avx512<3, NC, kFull, KV>(rows, m, at, wh, W, tail, acc, prefetch); break;
-          default: weigh_block_avx512<4, NC, kFull, KV>(rows, m, at, wh, W, tail, acc, prefetch); break;
+          case 1: weigh_block_avx512<1, NC, kFull, KV>(rows, m, at, wh, W, nullptr, tail, acc, 0, prefetch); break;
+          case 2: weigh_block_avx512<2, NC, kFull, KV>(rows, m, at, wh, W, nullptr, tail, acc, 0, prefetch); break;
+          case 3: weigh_block_avx512<3, NC, kFull, KV>(rows, m, at, wh, W, nullptr, tail, acc, 0, prefetch); break;
+          default: weigh_block_avx512<4, NC, kFull, KV>(rows, m, at, wh, W, nullptr, tail, acc, 0, prefetch); break;
         }
       }
     }
   }
   st.finish(out, part, D);
 }
-
-// The int8 pool's AVX-512 loop: 2 (attend_item_avx512_2p, the default) or 1 (the online loop, as fp32 and bf16 rows
-// run it), the set_int8_passes op: python -m bench.attention times both
-std::atomic<int> g_int8_passes{2};
 
 template <int NC, typename KV>
 void run_unit_avx512(const Problem<KV>& p, const Unit& u) {
@@ -983,18 +973,11 @@ std::string set_isa(const std::string& want) {
 
 std::string get_isa() { return isa_name(current_isa()); }
 
-#ifdef KVS_X86
 int64_t set_int8_passes(int64_t passes) {
   TORCH_CHECK(passes >= 0 && passes <= 2, "the int8 loop runs in 1 or 2 passes (0 keeps it), not ", passes);
   if (passes) g_int8_passes.store(static_cast<int>(passes));
   return g_int8_passes.load();
 }
-#else
-int64_t set_int8_passes(int64_t passes) {
-  TORCH_CHECK(passes >= 0 && passes <= 2, "the int8 loop runs in 1 or 2 passes (0 keeps it), not ", passes);
-  return 1;
-}
-#endif
 
 template <typename DimT, typename KV>
 void run_unit(const Problem<KV>& p, const Unit& u, Isa isa) {
