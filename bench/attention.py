@@ -15,6 +15,10 @@ prefilled once, then decode steps timed in interleaved rounds: the kernel's frac
 The machine's yardstick, timed in the same rounds: a plain sum over as many contiguous bytes as the largest pool's
 K/V per step, with the same threads (`stream_gb_s`): how close each kernel's read comes to it, and the fraction of
 the step a kernel at that rate would take (`fraction_floor_<dtype>`: the least any kernel reading these bytes gets).
+And the pool's own pages read as the kernel walks them (the same units, threads and prefetch, no attention:
+inference.native.paged_read): `page_read_gb_s_<dtype>`, the kernel's time against it
+(`kernel_share_of_page_read_<dtype>`: 1.0 = bound by reading its scattered pages) and the fraction of the step a
+kernel at that rate would take (`fraction_floor_pages_<dtype>`).
 Fresh prompt: one `--prompt`-token chunk attending its own K/V (the model's heads) as a prefill over a bf16 pool
 does, in every kind inference.attention times at start (torch's fp32 SDPA, kvserve's fp32 and AVX512-BF16 kernels,
 torch's bf16 SDPA; those this CPU runs), interleaved rounds, median ms per layer, each kind's speedup over torch's
@@ -79,6 +83,15 @@ def time_stream(buf) -> float:
     """Seconds for a plain read of `buf` (a contiguous sum over the torch threads): the yardstick of bytes per second."""
     t0 = time.perf_counter()
     buf.sum()
+    return time.perf_counter() - t0
+
+
+def time_page_read(pool, q, tables, lens, starts, qlens) -> float:
+    """Seconds for reading what one decode step's attention reads, page by page as the kernel walks them, with no
+    attention (inference.native.paged_read): the yardstick for scattered pages, as time_stream is for plain memory."""
+    t0 = time.perf_counter()
+    for layer in range(pool.num_layers):
+        native.paged_read(pool.data, layer, tables, lens, starts, qlens)
     return time.perf_counter() - t0
 
 
@@ -181,10 +194,15 @@ def main(argv=None) -> int:
         native.set_isa(n)
         native.set_int8_passes(1 if d == "int8/1pass" else 2)
         time_kernel_step(*case)
+    for d in dtypes:
+        time_page_read(*cases[d])
     kt = {(n, d): [] for n, d, _ in timed}
     st = []
+    rt = {d: [] for d in dtypes}
     for _ in range(args.repeats):
         st.append(time_stream(stream))
+        for d in dtypes:
+            rt[d].append(time_page_read(*cases[d]))
         for n, d, case in timed:
             native.set_isa(n)
             native.set_int8_passes(1 if d == "int8/1pass" else 2)
@@ -193,6 +211,7 @@ def main(argv=None) -> int:
     native.set_int8_passes(2)
     kernel = {c: median(v) for c, v in kt.items()}
     stream_gb_s = stream.numel() * 4 / median(st) / 1e9
+    page_read = {d: median(v) for d, v in rt.items()}
     step = engine_steps(model, args.seqs, args.context, dtypes, args.precision, max(3, args.repeats // 2)) \
         if model else {}
     rows = [dict(isa=n, kv_dtype=d, kernel_ms_per_step=kernel[(n, d)] * 1e3,
@@ -219,14 +238,20 @@ def main(argv=None) -> int:
                **{f"kernel_ms_4k_{d}": kernel[(best, f"{d}/4k")] * 1e3 for d in dtypes},
                **{f"speedup_hugepages_{d}": kernel[(best, f"{d}/4k")] / kernel[(best, d)] for d in dtypes},
                stream_gb_s=stream_gb_s,
-               **{f"kernel_share_of_stream_{d}": kv_bytes[d] / kernel[(best, d)] / 1e9 / stream_gb_s for d in dtypes})
+               **{f"kernel_share_of_stream_{d}": kv_bytes[d] / kernel[(best, d)] / 1e9 / stream_gb_s for d in dtypes},
+               **{f"page_read_gb_s_{d}": kv_bytes[d] / page_read[d] / 1e9 for d in dtypes},
+               **{f"kernel_share_of_page_read_{d}": page_read[d] / kernel[(best, d)] for d in dtypes})
     print(f"a plain read of {stream.numel() * 4 / 1e6:.0f} MB: {stream_gb_s:.1f} GB/s; the {best} kernel reads at "
           + ", ".join(f"{out[f'kernel_share_of_stream_{d}']:.0%} of it ({d})" for d in dtypes))
+    print("the same pages read as the kernel walks them, no attention: " + ", ".join(
+        f"{d} {out[f'page_read_gb_s_{d}']:.1f} GB/s (the kernel at {out[f'kernel_share_of_page_read_{d}']:.0%} of it)"
+        for d in dtypes))
     for d in step:  # a kernel reading this pool's bytes at the plain read's rate, the rest of the step as measured
         floor_s = kv_bytes[d] / (stream_gb_s * 1e9)
         out[f"fraction_floor_{d}"] = floor_s / (step[d] - kernel[(best, d)] + floor_s)
+        out[f"fraction_floor_pages_{d}"] = page_read[d] / (step[d] - kernel[(best, d)] + page_read[d])
         print(f"{d} pool: kernel {kernel[(best, d)] / step[d]:.1%} of the {args.precision} step; at the plain read's "
-              f"rate {out[f'fraction_floor_{d}']:.1%}")
+              f"rate {out[f'fraction_floor_{d}']:.1%}, at the pages' read rate {out[f'fraction_floor_pages_{d}']:.1%}")
     for d in dtypes:
         print(f"4 KB -> huge pages ({huge[d]:.0%} of the pool): kernel {out[f'speedup_hugepages_{d}']:.2f}x faster per "
               f"decode step ({d} pool, {best})")

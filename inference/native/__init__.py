@@ -93,6 +93,15 @@ def paged_attention(out, q, pool, layer, tables, context_lens, query_start, quer
     torch.ops.kvserve_paged.paged_attention(out, q, pool, layer, tables, context_lens, query_start, query_len, scale)
 
 
+def paged_read(pool, layer, tables, context_lens, query_start, query_len) -> int:
+    """The bytes paged_attention would read of `layer` for these rows, read (same units, threads, page walk and
+    prefetch) with no attention: the sum of their 32-bit words mod 2**64 as a signed int. bench.attention's yardstick
+    for the rate a decode step's scattered pages can be read at all."""
+    if not _loaded.get("ok") and not load():
+        raise RuntimeError(f"the paged-attention kernel is not available: {load_error()}")
+    return torch.ops.kvserve_paged.paged_read(pool, layer, tables, context_lens, query_start, query_len)
+
+
 
 def prefill_bf16_available() -> bool:
     """Whether prefill_attention_bf16 runs here: the library loaded, AVX-512 not capped away, AVX512-BF16."""

@@ -1066,63 +1066,138 @@ std::vector<Unit> plan_units(const std::vector<int64_t>& keys, std::vector<std::
   return units;
 }
 
-void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& pool, int64_t layer,
-                     const at::Tensor& tables, const at::Tensor& context_lens, const at::Tensor& query_start,
-                     const at::Tensor& query_len, double scale) {
+// One step's work over a pool layer, as paged_attention and paged_read both run it: the checked index tensors, the
+// work items (sequence, query) and their units (plan_units)
+struct StepPlan {
+  const int32_t *tab, *lens, *qstart, *qlen;
+  int64_t W, H = 0, KVH, D, ps, layer_off, page_stride, v_offset, num_parts = 0;
+  std::vector<int64_t> item_seq, item_first;
+  std::vector<Unit> units;
+  std::vector<std::array<int64_t, 3>> splits;
+};
+
+StepPlan plan_step(const at::Tensor& pool, int64_t layer, const at::Tensor& tables, const at::Tensor& context_lens,
+                   const at::Tensor& query_start, const at::Tensor& query_len, int64_t q_rows) {
   const auto kv_type = pool.scalar_type();
   TORCH_CHECK(pool.dim() == 6 && pool.is_contiguous() && pool.device().is_cpu() &&
                   (kv_type == at::kFloat || kv_type == at::kBFloat16 || kv_type == at::kChar),
               "pool must be a contiguous fp32, bf16 or int8 CPU tensor [pages, layers, 2, page_size, kv_heads, row]");
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 && q.stride(1) == q.size(2),
-              "q must be fp32 [T, H, D] with contiguous heads");
-  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == at::kFloat, "out must be like q");
   for (const auto* t : {&tables, &context_lens, &query_start, &query_len}) {
     TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous() && t->device().is_cpu(), "index tensors must be int32");
   }
-  const int64_t S = tables.size(0), W = tables.size(1);
+  StepPlan sp;
+  const int64_t S = tables.size(0);
+  sp.W = tables.size(1);
   TORCH_CHECK(tables.dim() == 2 && context_lens.numel() == S && query_start.numel() == S && query_len.numel() == S,
               "tables [S, P] and one context_len, query_start, query_len per sequence");
-  const int64_t num_pages = pool.size(0), L = pool.size(1), ps = pool.size(3), KVH = pool.size(4), Dr = pool.size(5);
-  const int64_t H = q.size(1), D = q.size(2);
-  TORCH_CHECK(Dr == D + (kv_type == at::kChar ? 4 : 0) && H % KVH == 0,
-              "q heads must be a multiple of kv heads with the pool's head_dim (an int8 pool's rows: head_dim + 4)");
+  const int64_t num_pages = pool.size(0), L = pool.size(1), Dr = pool.size(5);
+  sp.ps = pool.size(3);
+  sp.KVH = pool.size(4);
+  sp.D = Dr - (kv_type == at::kChar ? 4 : 0);
   TORCH_CHECK(layer >= 0 && layer < L, "layer out of range");
-  const int32_t* lens = context_lens.data_ptr<int32_t>();
-  const int32_t* qstart = query_start.data_ptr<int32_t>();
-  const int32_t* qlen = query_len.data_ptr<int32_t>();
-  const int32_t* tab = tables.data_ptr<int32_t>();
-  std::vector<int64_t> item_seq, item_first;
+  sp.lens = context_lens.data_ptr<int32_t>();
+  sp.qstart = query_start.data_ptr<int32_t>();
+  sp.qlen = query_len.data_ptr<int32_t>();
+  sp.tab = tables.data_ptr<int32_t>();
   for (int64_t i = 0; i < S; ++i) {
-    TORCH_CHECK(qlen[i] >= 1 && lens[i] >= qlen[i] && kvs::cdiv(lens[i], ps) <= W, "sequence ", i,
+    TORCH_CHECK(sp.qlen[i] >= 1 && sp.lens[i] >= sp.qlen[i] && kvs::cdiv(sp.lens[i], sp.ps) <= sp.W, "sequence ", i,
                 ": bad query_len/context_len for its table");
-    TORCH_CHECK(qstart[i] >= 0 && qstart[i] + qlen[i] <= q.size(0), "sequence ", i, ": query rows out of range");
-    for (int64_t k = 0; k < kvs::cdiv(lens[i], ps); ++k) {
-      TORCH_CHECK(tab[i * W + k] >= 0 && tab[i * W + k] < num_pages, "sequence ", i, ": page id out of range");
+    TORCH_CHECK(sp.qstart[i] >= 0 && sp.qstart[i] + sp.qlen[i] <= q_rows, "sequence ", i, ": query rows out of range");
+    for (int64_t k = 0; k < kvs::cdiv(sp.lens[i], sp.ps); ++k) {
+      TORCH_CHECK(sp.tab[i * sp.W + k] >= 0 && sp.tab[i * sp.W + k] < num_pages, "sequence ", i,
+                  ": page id out of range");
     }
-    for (int64_t j = 0; j < qlen[i]; ++j) {
-      item_seq.push_back(i);
-      item_first.push_back(j);
+    for (int64_t j = 0; j < sp.qlen[i]; ++j) {
+      sp.item_seq.push_back(i);
+      sp.item_first.push_back(j);
     }
   }
-  const int64_t layer_off = layer * 2 * ps * KVH * Dr, page_stride = L * 2 * ps * KVH * Dr, v_offset = ps * KVH * Dr;
-  std::vector<int64_t> keys(item_seq.size());  // keys each query may see (causal, bottom-right aligned)
-  for (size_t w = 0; w < keys.size(); ++w) keys[w] = lens[item_seq[w]] - qlen[item_seq[w]] + item_first[w] + 1;
-  std::vector<std::array<int64_t, 3>> splits;
-  int64_t num_parts = 0;
-  const std::vector<Unit> units = plan_units(keys, &splits, &num_parts);
-  std::vector<float> states(static_cast<size_t>(num_parts * H * (D + 2)));
+  sp.layer_off = layer * 2 * sp.ps * sp.KVH * Dr;
+  sp.page_stride = L * 2 * sp.ps * sp.KVH * Dr;
+  sp.v_offset = sp.ps * sp.KVH * Dr;
+  std::vector<int64_t> keys(sp.item_seq.size());  // keys each query may see (causal, bottom-right aligned)
+  for (size_t w = 0; w < keys.size(); ++w)
+    keys[w] = sp.lens[sp.item_seq[w]] - sp.qlen[sp.item_seq[w]] + sp.item_first[w] + 1;
+  sp.units = plan_units(keys, &sp.splits, &sp.num_parts);
+  return sp;
+}
+
+void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& pool, int64_t layer,
+                     const at::Tensor& tables, const at::Tensor& context_lens, const at::Tensor& query_start,
+                     const at::Tensor& query_len, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "q must be fp32 [T, H, D] with contiguous heads");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == at::kFloat, "out must be like q");
+  const StepPlan sp = plan_step(pool, layer, tables, context_lens, query_start, query_len, q.size(0));
+  const int64_t H = q.size(1), D = q.size(2);
+  TORCH_CHECK(sp.D == D && H % sp.KVH == 0,
+              "q heads must be a multiple of kv heads with the pool's head_dim (an int8 pool's rows: head_dim + 4)");
+  std::vector<float> states(static_cast<size_t>(sp.num_parts * H * (D + 2)));
   auto go = [&](const auto* data) {
     using KV = std::remove_const_t<std::remove_pointer_t<decltype(data)>>;
-    run_dims(Problem<KV>{q.data_ptr<float>(), out.data_ptr<float>(), data + layer_off, tab, lens, qstart, qlen,
-                         item_seq.data(), item_first.data(), W, H, KVH, D, ps, page_stride, v_offset, q.stride(0),
-                         out.stride(0), static_cast<float>(scale), states.data()}, units, splits);
+    run_dims(Problem<KV>{q.data_ptr<float>(), out.data_ptr<float>(), data + sp.layer_off, sp.tab, sp.lens, sp.qstart,
+                         sp.qlen, sp.item_seq.data(), sp.item_first.data(), sp.W, H, sp.KVH, D, sp.ps, sp.page_stride,
+                         sp.v_offset, q.stride(0), out.stride(0), static_cast<float>(scale), states.data()},
+             sp.units, sp.splits);
   };
+  const auto kv_type = pool.scalar_type();
   if (kv_type == at::kBFloat16)
     go(static_cast<const bf16_t*>(pool.data_ptr()));
   else if (kv_type == at::kChar)
     go(static_cast<const i8_t*>(pool.data_ptr()));
   else
     go(pool.data_ptr<float>());
+}
+
+using u32_alias = uint32_t __attribute__((may_alias));
+
+// The bytes one unit of paged_attention reads (every K and V row of its keys, all KV heads), read the way the AVX-512
+// loop walks them (blocks of 16 rows, the block ahead prefetched into L2 a share per four rows, two ahead for an
+// int8 pool) with no arithmetic but a sum of their 32-bit words
+template <typename KV>
+uint64_t read_unit(const KV* pool, const int32_t* table, const Unit& u, int64_t page_stride, int64_t row_len,
+                   int64_t ps, int64_t v_offset) {
+  RowBlocks<KV, 16, kScaled<KV> ? 2 : 1> blk(pool, table, u.tb, u.te, page_stride, row_len, ps, v_offset, 4);
+  const int64_t words = row_len * static_cast<int64_t>(sizeof(KV)) / 4;
+  uint64_t sum = 0;
+  while (blk.next()) {
+    for (int t = 0; t < blk.m; ++t) {
+      const auto* k = reinterpret_cast<const u32_alias*>(blk.rows[t]);
+      const auto* v = reinterpret_cast<const u32_alias*>(blk.rows[t] + v_offset);
+      for (int64_t w = 0; w < words; ++w) sum += uint64_t{k[w]} + v[w];
+      if (t % 4 == 3) blk.prefetch_upto(t / 4 + 1);
+    }
+  }
+  return sum;
+}
+
+// bench.attention's yardstick for the kernel's memory: what one decode step's call reads of `layer` (the same items,
+// units and threads as paged_attention over these tables), read and summed, no attention. Returns the sum of the
+// 32-bit words read (mod 2^64), which the tests check against torch's over the same rows.
+int64_t paged_read(const at::Tensor& pool, int64_t layer, const at::Tensor& tables, const at::Tensor& context_lens,
+                   const at::Tensor& query_start, const at::Tensor& query_len) {
+  const StepPlan sp = plan_step(pool, layer, tables, context_lens, query_start, query_len,
+                                std::numeric_limits<int64_t>::max());
+  const int64_t row_len = sp.KVH * pool.size(5);
+  TORCH_CHECK(row_len * pool.element_size() % 4 == 0, "a token's rows must be whole 32-bit words");
+  std::vector<uint64_t> sums(sp.units.size());
+  auto go = [&](const auto* data) {
+    kvs::parallel_chunks(static_cast<int64_t>(sp.units.size()), [&](int64_t at) {
+      const Unit& u = sp.units[at];
+      sums[at] = read_unit(data + sp.layer_off, sp.tab + sp.item_seq[u.item] * sp.W, u, sp.page_stride, row_len,
+                           sp.ps, sp.v_offset);
+    });
+  };
+  const auto kv_type = pool.scalar_type();
+  if (kv_type == at::kBFloat16)
+    go(static_cast<const bf16_t*>(pool.data_ptr()));
+  else if (kv_type == at::kChar)
+    go(static_cast<const i8_t*>(pool.data_ptr()));
+  else
+    go(pool.data_ptr<float>());
+  uint64_t total = 0;
+  for (const uint64_t x : sums) total += x;
+  return static_cast<int64_t>(total);
 }
 
 // How plan_units cuts items of these key counts: the parts of each item (tests, bench)
@@ -1146,6 +1221,12 @@ TORCH_LIBRARY(kvserve_paged, m) {
   // the int8 pool's AVX-512 loop: 2 passes (the default) or 1 (online softmax); 0 reads it
   m.def("set_int8_passes(int passes) -> int", &set_int8_passes);
   m.def("attention_parts(int[] keys) -> int[]", &attention_parts);
+  // bench.attention's yardstick: the bytes a paged_attention call reads, read with no attention (their words' sum)
+  m.def("paged_read(Tensor pool, int layer, Tensor tables, Tensor context_lens, Tensor query_start, "
+        "Tensor query_len) -> int");
 }
 
-TORCH_LIBRARY_IMPL(kvserve_paged, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(kvserve_paged, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("paged_read", &paged_read);
+}

@@ -91,6 +91,8 @@ def test_attention_quick_times_the_pool_on_huge_and_on_4kb_pages_and_ends_with_o
         # the pool the bench times is the engine's own PagePool: on huge pages wherever the kernel gives them
         assert result[f"huge_page_share_{d}"] > 0.5 or result["thp"] not in ("always", "madvise"), result
     assert result["stream_gb_s"] > 0  # the plain read the kernels' rates are set against
+    for d in ("bfloat16", "int8"):  # and the pool's own pages read as the kernel walks them, with no attention
+        assert result[f"page_read_gb_s_{d}"] > 0 and result[f"kernel_share_of_page_read_{d}"] > 0, result
     # the int8 pool's AVX-512 loop in one pass beside its default two
     assert ("speedup_int8_two_pass" in result) == (best == "avx512")
     if best == "avx512":

@@ -202,3 +202,33 @@ def test_the_int8_pools_two_pass_loop_and_its_online_loop_match_the_reference(ct
         native.set_int8_passes(2)
     with pytest.raises(RuntimeError, match="1 or 2 passes"):
         native.set_int8_passes(3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_paged_read_reads_exactly_the_rows_a_step_attends(dtype):
+    """bench.attention's yardstick (native.paged_read): every K and V row, all KV heads, of the keys each item of the
+    step sees (a decode row, a chunk's rows each up to its own key, a long row cut into parts), of the layer asked
+    for and no other: the sum of their 32-bit words equals torch's over the same rows, at one thread and at two."""
+    gen = torch.Generator().manual_seed(7)
+    ps, h, layer = 16, 9, 1
+    lens, qlens = [300, 17, 40, 1], [1, 1, 3, 1]
+    pool = PagePool(sum(cdiv(n, ps) for n in lens) + 8, ps, 3, 3, 64, dtype=dtype)
+    fill_pool_randn(pool, gen)
+    batch, *_ = decode_batch(pool, h, lens, qlens, gen)
+    words = pool.data.view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # [pages, layers, 2, ps, kvh, row words]
+    want = 0
+    for i, (n, ql) in enumerate(zip(lens, qlens)):
+        table = batch.paged.tables[i].tolist()
+        for j in range(ql):
+            for t in range(n - ql + j + 1):
+                want += int(words[table[t // ps], layer, :, t % ps].sum())
+    want = (want + 2**63) % 2**64 - 2**63  # the op's int64
+    threads = native.threads()
+    try:
+        for n_threads in (1, 2):
+            native.set_threads(n_threads)
+            got = native.paged_read(pool.data, layer, batch.paged.tables, batch.paged.context_lens,
+                                    batch.paged.query_start, batch.paged.query_len)
+            assert got == want, (n_threads, got, want)
+    finally:
+        native.set_threads(threads)
