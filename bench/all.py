@@ -176,6 +176,10 @@ SUMMARY = [
     ("attention", "kernel_fraction_bfloat16", "paged-attention kernel's share of a 32 x 512-token decode step "
      "(bf16 pool)", "<= 0.18"),
     ("attention", "fraction_floor_bfloat16", "the same share for a kernel reading at a plain read's rate", ""),
+    ("attention", "fraction_floor_pages_bfloat16", "the same share for a kernel reading its scattered pages as fast as "
+     "they read with no attention", ""),
+    ("attention", "kernel_share_of_page_read_bfloat16", "the kernel's rate over that read's (1.0: bound by reading its "
+     "pages)", ""),
     ("quant", "ratio_w4a8_vs_fp32_rows1", "one row's decode-step products, fp32 ms / w4a8 ms", ""),
     ("argmax", "ratio_rows32", "greedy argmax over 32 rows of the vocabulary, torch / native", ""),
     ("guards", "ratio_guards_on_vs_off", "throughput, ownership guards on / off", ">= 0.97"),
