@@ -1070,7 +1070,7 @@ std::vector<Unit> plan_units(const std::vector<int64_t>& keys, std::vector<std::
 // work items (sequence, query) and their units (plan_units)
 struct StepPlan {
   const int32_t *tab, *lens, *qstart, *qlen;
-  int64_t W, H = 0, KVH, D, ps, layer_off, page_stride, v_offset, num_parts = 0;
+  int64_t W, KVH, D, ps, layer_off, page_stride, v_offset, num_parts = 0;
   std::vector<int64_t> item_seq, item_first;
   std::vector<Unit> units;
   std::vector<std::array<int64_t, 3>> splits;
