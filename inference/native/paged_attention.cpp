@@ -1122,6 +1122,18 @@ StepPlan plan_step(const at::Tensor& pool, int64_t layer, const at::Tensor& tabl
   return sp;
 }
 
+// f(the pool's elements as the loops read them): bf16 raw, int8 codes, or fp32 (plan_step checked the dtype)
+template <typename F>
+void with_rows(const at::Tensor& pool, F&& f) {
+  const auto kv_type = pool.scalar_type();
+  if (kv_type == at::kBFloat16)
+    f(static_cast<const bf16_t*>(pool.data_ptr()));
+  else if (kv_type == at::kChar)
+    f(static_cast<const i8_t*>(pool.data_ptr()));
+  else
+    f(pool.data_ptr<float>());
+}
+
 void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& pool, int64_t layer,
                      const at::Tensor& tables, const at::Tensor& context_lens, const at::Tensor& query_start,
                      const at::Tensor& query_len, double scale) {
@@ -1140,13 +1152,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
                          sp.v_offset, q.stride(0), out.stride(0), static_cast<float>(scale), states.data()},
              sp.units, sp.splits);
   };
-  const auto kv_type = pool.scalar_type();
-  if (kv_type == at::kBFloat16)
-    go(static_cast<const bf16_t*>(pool.data_ptr()));
-  else if (kv_type == at::kChar)
-    go(static_cast<const i8_t*>(pool.data_ptr()));
-  else
-    go(pool.data_ptr<float>());
+  with_rows(pool, go);
 }
 
 using u32_alias = uint32_t __attribute__((may_alias));
@@ -1188,13 +1194,7 @@ int64_t paged_read(const at::Tensor& pool, int64_t layer, const at::Tensor& tabl
                            sp.ps, sp.v_offset);
     });
   };
-  const auto kv_type = pool.scalar_type();
-  if (kv_type == at::kBFloat16)
-    go(static_cast<const bf16_t*>(pool.data_ptr()));
-  else if (kv_type == at::kChar)
-    go(static_cast<const i8_t*>(pool.data_ptr()));
-  else
-    go(pool.data_ptr<float>());
+  with_rows(pool, go);
   uint64_t total = 0;
   for (const uint64_t x : sums) total += x;
   return static_cast<int64_t>(total);

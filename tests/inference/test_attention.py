@@ -100,6 +100,54 @@ def test_kernel_refuses_a_page_outside_the_pool_and_a_table_too_short():
         native.paged_attention(out, q, pool.data, 0, sb.tables[:, :1].contiguous(), *args)
 
 
+@pytest.mark.parametrize("op", ["paged_attention", "paged_read"])
+def test_kernel_and_its_page_read_refuse_a_bad_step_before_reading(op):
+    """The checks of one step's plan (inference/native/paged_attention.cpp: plan_step), which the kernel and
+    bench.attention's page read share: a page outside the pool, a table too short, a layer the pool lacks, query rows
+    past q, a q or out of the wrong kind (the kernel), index tensors not int32, one length too few. Each refused with its own message, nothing read."""
+    pool, batch, q, k, v = random_case(4, 2, 16)
+    sb = batch.paged
+    out = torch.empty_like(q)
+
+    def call(tables=sb.tables, lens=sb.context_lens, starts=sb.query_start, layer=0):
+        if op == "paged_attention":
+            native.paged_attention(out, q, pool.data, layer, tables, lens, starts, sb.query_len, 0.25)
+        else:
+            native.paged_read(pool.data, layer, tables, lens, starts, sb.query_len)
+
+    bad = sb.tables.clone()
+    bad[0, 0] = pool.num_pages + 1
+    with pytest.raises(RuntimeError, match="page id out of range"):
+        call(tables=bad)
+    with pytest.raises(RuntimeError, match="bad query_len/context_len"):
+        call(tables=sb.tables[:, :1].contiguous())
+    with pytest.raises(RuntimeError, match="layer out of range"):
+        call(layer=pool.num_layers)
+    with pytest.raises(RuntimeError, match="index tensors must be int32"):
+        call(lens=sb.context_lens.long())
+    with pytest.raises(RuntimeError, match="one context_len, query_start, query_len per sequence"):
+        call(lens=sb.context_lens[:-1].contiguous())
+    if op == "paged_attention":  # the page read takes no q
+        with pytest.raises(RuntimeError, match="query rows out of range"):
+            call(starts=sb.query_start + q.shape[0])
+        with pytest.raises(RuntimeError, match="q must be fp32"):
+            native.paged_attention(out, q.to(torch.bfloat16), pool.data, 0, sb.tables, sb.context_lens,
+                                   sb.query_start, sb.query_len, 0.25)
+        with pytest.raises(RuntimeError, match="out must be like q"):
+            native.paged_attention(out[:-1], q, pool.data, 0, sb.tables, sb.context_lens, sb.query_start,
+                                   sb.query_len, 0.25)
+    call()  # the same step, well formed, runs
+
+
+def test_page_read_refuses_rows_that_are_not_whole_32_bit_words():
+    """bench.attention's page read sums a token's rows as 32-bit words: a bf16 pool of one KV head of head_dim 1
+    (2 bytes a row) is refused rather than summed short."""
+    pool = PagePool(4, 4, 1, 1, 1, dtype=torch.bfloat16)
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    with pytest.raises(RuntimeError, match="whole 32-bit words"):
+        native.paged_read(pool.data, 0, i32([[0]]), i32([3]), i32([0]), i32([1]))
+
+
 def test_the_kernel_is_what_runs_by_default_on_the_cpu(tiny_model, monkeypatch):
     monkeypatch.delenv("KVSERVE_ATTENTION", raising=False)
     engine = Engine(tiny_model, EngineConfig(num_pages=32))
